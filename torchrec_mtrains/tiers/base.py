@@ -1,0 +1,414 @@
+"""The row-store contract every storage tier implements, its file header, counters and registry.
+
+A *row store* holds one table (or one rank's shard of it) as ``num_rows`` fixed-size rows, each
+row the table's weights followed by its optimizer state (see :class:`RowLayout`). Stores are
+addressed by row id in batches: the embedding cache asks for the rows it misses and writes back
+the rows it evicts, so every method takes a vector of ids.
+
+Files created by a store share one on-disk format: a fixed header block followed by the rows,
+packed back to back from ``DATA_OFFSET`` (row ``i`` starts at ``DATA_OFFSET + i * row_bytes``).
+The header records the shape, so a file made for another table shape, dtype, tier or format
+version is refused when opened.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from torchrec_mtrains.types import RowLayout, StorageDType
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+MAGIC = b"MTRNROWS"
+LAYOUT_VERSION = 1
+# Rows start one 4 KiB block into the file so that block-aligned direct I/O of the data region
+# never touches the header. Block tiers with larger blocks round this up to their block size.
+DATA_OFFSET = 4096
+FILE_SUFFIX = ".rows"
+FILE_MODE = 0o600
+
+# magic, version, tier name, num_rows, dim, state_width, dtype code, row_bytes, data_offset, crc
+_HEADER = struct.Struct("<8sI16sQIIBIQ")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size + _CRC.size
+
+IdArray = npt.NDArray[np.int64]
+RowArray = npt.NDArray[np.float32]
+
+
+class OpenMode(str, enum.Enum):
+    """How a store treats an existing file. Nothing already written is ever silently dropped:
+    only ``TRUNCATE`` discards existing rows, and only when asked for."""
+
+    CREATE = "create"  # the file must not exist yet
+    OPEN = "open"  # the file must exist and match the layout
+    OPEN_OR_CREATE = "open_or_create"  # open when present (and matching), otherwise create
+    TRUNCATE = "truncate"  # create, replacing any existing file
+
+
+class RowStoreError(RuntimeError):
+    """A store could not be opened or used; the message names the file and the cause."""
+
+
+class HeaderMismatchError(RowStoreError):
+    """An existing file was made for another shape, dtype, tier or format version."""
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """The shape record at the start of every row file."""
+
+    tier: str
+    num_rows: int
+    dim: int
+    state_width: int
+    dtype: StorageDType
+    row_bytes: int
+    data_offset: int
+    version: int = LAYOUT_VERSION
+
+    @classmethod
+    def for_layout(cls, tier: str, layout: RowLayout, data_offset: int = DATA_OFFSET) -> FileHeader:
+        return cls(
+            tier=tier,
+            num_rows=layout.num_rows,
+            dim=layout.dim,
+            state_width=layout.state_width,
+            dtype=layout.dtype,
+            row_bytes=layout.row_bytes,
+            data_offset=data_offset,
+        )
+
+    def pack(self) -> bytes:
+        """Serializes the header, padded with zeros to ``data_offset`` bytes."""
+        tier = self.tier.encode()
+        if len(tier) > 16:
+            raise ValueError(f"tier name {self.tier!r} longer than 16 bytes")
+        body = _HEADER.pack(
+            MAGIC,
+            self.version,
+            tier,
+            self.num_rows,
+            self.dim,
+            self.state_width,
+            self.dtype.code,
+            self.row_bytes,
+            self.data_offset,
+        )
+        raw = body + _CRC.pack(zlib.crc32(body))
+        return raw + b"\0" * (self.data_offset - len(raw))
+
+    @classmethod
+    def unpack(cls, raw: bytes, path: Path) -> FileHeader:
+        """Parses a header read from ``path``; raises ``HeaderMismatchError`` naming the file."""
+        if len(raw) < HEADER_BYTES:
+            raise HeaderMismatchError(
+                f"{path}: file too short for a row-store header ({len(raw)} bytes)"
+            )
+        body, (crc,) = raw[: _HEADER.size], _CRC.unpack_from(raw, _HEADER.size)
+        magic, version, tier, num_rows, dim, state_width, dtype_code, row_bytes, data_offset = (
+            _HEADER.unpack(body)
+        )
+        if magic != MAGIC:
+            raise HeaderMismatchError(f"{path}: not a torchrec_mtrains row file (bad magic)")
+        if zlib.crc32(body) != crc:
+            raise HeaderMismatchError(f"{path}: corrupt header (checksum mismatch)")
+        if version != LAYOUT_VERSION:
+            raise HeaderMismatchError(
+                f"{path}: layout version {version}, this build reads version {LAYOUT_VERSION}"
+            )
+        try:
+            dtype = StorageDType.from_code(dtype_code)
+        except ValueError as e:
+            raise HeaderMismatchError(f"{path}: corrupt header ({e})") from None
+        return cls(
+            tier=tier.rstrip(b"\0").decode(errors="replace"),
+            num_rows=num_rows,
+            dim=dim,
+            state_width=state_width,
+            dtype=dtype,
+            row_bytes=row_bytes,
+            data_offset=data_offset,
+            version=version,
+        )
+
+    def check_matches(self, expected: FileHeader, path: Path) -> None:
+        """Raises ``HeaderMismatchError`` listing every field that differs from ``expected``."""
+        diffs = [
+            f"{f.name}: file has {getattr(self, f.name)!r}, expected {getattr(expected, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(expected, f.name)
+        ]
+        if diffs:
+            raise HeaderMismatchError(
+                f"{path}: file was made for another table shape: " + "; ".join(diffs)
+            )
+
+
+@dataclass
+class TierStats:
+    """Counters every store keeps the same way, for logs and benchmarks.
+
+    ``bytes_read``/``bytes_written`` count what moved to or from the medium (whole blocks for a
+    block tier), so ``bytes_read / (rows_read * row_bytes)`` is the read amplification.
+    ``io_calls`` counts system calls issued for data (reads, writes, syncs).
+    """
+
+    read_calls: int = 0
+    write_calls: int = 0
+    rows_read: int = 0
+    rows_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    io_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def __add__(self, other: TierStats) -> TierStats:
+        return TierStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+
+class RowStore(ABC):
+    """One table's rows on one tier.
+
+    Subclasses set ``name`` and implement the ``_read_rows`` / ``_write_rows`` / ``_flush`` /
+    ``_close`` hooks; this base validates arguments, converts dtypes, keeps the counters and
+    handles open modes, so every tier behaves alike at its edges.
+
+    Thread safety: ``read_rows`` may be called from several threads at once; ``write_rows`` calls
+    are serialized with each other by the base. A read racing a write of the same row may see
+    either version; callers (the cache) never do that.
+
+    Args:
+        directory: existing, writable directory the store's file is created in.
+        table: table (or shard) name; becomes the file name, so no path separators.
+        layout: shape of the rows.
+        mode: what to do with an existing file (see :class:`OpenMode`).
+
+    Example::
+
+        store = TIERS["byte_scm"]("/mnt/pmem0/run1", "t_user", RowLayout(1_000_000, 64, 1))
+        store.write_rows(np.array([3, 7]), np.ones((2, 65), np.float32))
+        rows = store.read_rows(np.array([7]))
+        store.close()
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        table: str,
+        layout: RowLayout,
+        *,
+        mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+    ) -> None:
+        self.layout = layout
+        self.table = table
+        self.mode = OpenMode(mode)
+        self.directory = Path(directory)
+        self.path = self.directory / f"{table}.{self.name}{FILE_SUFFIX}"
+        self.stats = TierStats()
+        self._stats_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._closed = False
+        check_table_name(table)
+        check_directory(self.directory)
+
+    # ----------------------------------------------------------------------------- public API
+
+    def read_rows(self, ids: npt.ArrayLike) -> RowArray:
+        """Returns the rows ``ids`` as a new float32 array of shape ``(len(ids), row_width)``."""
+        ids_arr = self._check_ids(ids)
+        out = np.empty((ids_arr.size, self.layout.row_width), dtype=np.float32)
+        if ids_arr.size:
+            moved, calls = self._read_rows(ids_arr, out)
+            self._count(read_calls=1, rows_read=ids_arr.size, bytes_read=moved, io_calls=calls)
+        return out
+
+    def write_rows(self, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
+        """Stores ``rows[i]`` (weights then optimizer state) as row ``ids[i]``.
+
+        Ids must be unique within one call."""
+        ids_arr = self._check_ids(ids)
+        rows_arr = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows_arr.shape != (ids_arr.size, self.layout.row_width):
+            raise ValueError(
+                f"table {self.table!r}: rows of shape {tuple(rows_arr.shape)} do not match "
+                f"{ids_arr.size} ids of width {self.layout.row_width}"
+            )
+        if not ids_arr.size:
+            return
+        with self._write_lock:
+            moved, calls = self._write_rows(ids_arr, rows_arr)
+        self._count(write_calls=1, rows_written=ids_arr.size, bytes_written=moved, io_calls=calls)
+
+    def read_range(self, start: int, count: int) -> RowArray:
+        """Returns rows ``start .. start+count-1``: the sequential path for checkpoints."""
+        self._check_range(start, count)
+        return self.read_rows(np.arange(start, start + count, dtype=np.int64))
+
+    def write_range(self, start: int, rows: npt.ArrayLike) -> None:
+        """Stores consecutive rows from ``start``: the sequential path for init and restore."""
+        rows_arr = np.asarray(rows)
+        self._check_range(start, rows_arr.shape[0])
+        self.write_rows(np.arange(start, start + rows_arr.shape[0], dtype=np.int64), rows_arr)
+
+    def flush(self) -> None:
+        """Makes every completed write durable on the medium."""
+        self._check_open()
+        with self._write_lock:
+            calls = self._flush()
+        self._count(io_calls=calls)
+
+    def close(self) -> None:
+        """Flushes and releases the store; further use raises. Closing twice is a no-op."""
+        if self._closed:
+            return
+        self.flush()
+        self._close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> RowStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={str(self.path)!r}, layout={self.layout})"
+
+    # ------------------------------------------------------------------------ backend hooks
+
+    @abstractmethod
+    def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
+        """Fills ``out[i]`` with row ``ids[i]`` (as float32).
+
+        Returns ``(bytes moved from the medium, I/O system calls issued)``."""
+
+    @abstractmethod
+    def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
+        """Stores ``rows[i]`` at row ``ids[i]``; ids are unique. Returns bytes moved and calls."""
+
+    @abstractmethod
+    def _flush(self) -> int:
+        """Makes completed writes durable; returns the I/O calls issued."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Releases file handles and mappings (called after a flush)."""
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for key, value in deltas.items():
+                setattr(self.stats, key, getattr(self.stats, key) + value)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RowStoreError(f"{self.path}: store is closed")
+
+    def _check_ids(self, ids: npt.ArrayLike) -> IdArray:
+        self._check_open()
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"table {self.table!r}: ids must be 1-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"table {self.table!r}: ids must be integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.layout.num_rows:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"table {self.table!r}: row id {bad} out of range [0, {self.layout.num_rows})"
+                )
+        return arr
+
+    def _check_range(self, start: int, count: int) -> None:
+        if start < 0 or count < 0 or start + count > self.layout.num_rows:
+            raise IndexError(
+                f"table {self.table!r}: rows [{start}, {start + count}) out of range "
+                f"[0, {self.layout.num_rows})"
+            )
+
+    def _expected_header(self, data_offset: int = DATA_OFFSET) -> FileHeader:
+        return FileHeader.for_layout(self.name, self.layout, data_offset)
+
+
+def check_table_name(table: str) -> None:
+    """Refuses names that would place a file outside the store's directory."""
+    if not table or "/" in table or "\0" in table or table in (".", "..") or os.sep in table:
+        raise ValueError(f"invalid table name {table!r}: must be a plain file-name component")
+
+
+def check_directory(directory: Path) -> None:
+    """Raises ``RowStoreError`` naming ``directory`` unless it exists and is writable."""
+    if not directory.exists():
+        raise RowStoreError(f"tier directory {directory} does not exist")
+    if not directory.is_dir():
+        raise RowStoreError(f"tier directory {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise RowStoreError(f"tier directory {directory} is not writable")
+
+
+# --------------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type[RowStore]] = {}
+TIERS: Mapping[str, type[RowStore]] = MappingProxyType(_REGISTRY)
+"""Read-only view of the registered tiers, by name."""
+
+
+def register_tier(cls: type[RowStore], *, clobber: bool = False) -> type[RowStore]:
+    """Registers a store class under ``cls.name``; usable as a class decorator.
+
+    Raises ``ValueError`` if the name is taken and ``clobber`` is false."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__qualname__} must define a non-empty class attribute 'name'")
+    if name in _REGISTRY and _REGISTRY[name] is not cls and not clobber:
+        raise ValueError(f"tier {name!r} is already registered to {_REGISTRY[name].__qualname__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def open_store(
+    tier: str,
+    directory: str | os.PathLike[str],
+    table: str,
+    layout: RowLayout,
+    **options: Any,
+) -> RowStore:
+    """Opens ``table`` on the tier named ``tier``; options go to that tier's constructor."""
+    try:
+        cls = TIERS[tier]
+    except KeyError:
+        raise ValueError(
+            f"unknown tier {tier!r}; registered tiers: {', '.join(sorted(TIERS))}"
+        ) from None
+    return cls(directory, table, layout, **options)
