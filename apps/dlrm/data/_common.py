@@ -1,0 +1,81 @@
+"""Helpers shared by the data sources: argument checks and numpy -> ``Batch`` packing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import get_worker_info
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+T = TypeVar("T")
+
+
+def feature_names(num_sparse: int) -> list[str]:
+    """KJT keys ``cat_0 .. cat_{n-1}``: TorchRec's Criteo names, so its DLRM configs match."""
+    if num_sparse <= len(DEFAULT_CAT_NAMES):
+        return list(DEFAULT_CAT_NAMES[:num_sparse])
+    return [f"cat_{i}" for i in range(num_sparse)]
+
+
+def per_table(values: Sequence[T], num_tables: int, name: str) -> list[T]:
+    """Broadcasts a one-entry list to ``num_tables`` entries; other lengths must match."""
+    if len(values) == 1:
+        return [values[0]] * num_tables
+    if len(values) != num_tables:
+        raise ValueError(
+            f"{name} has {len(values)} entries; expected 1 or {num_tables} (one per table)"
+        )
+    return list(values)
+
+
+def check_positive(value: int, name: str) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def check_sizes(sizes: Sequence[int], name: str = "num_embeddings_per_feature") -> None:
+    bad = [n for n in sizes if n < 1]
+    if bad:
+        raise ValueError(f"{name} must all be >= 1, got {bad}")
+
+
+def worker_shard() -> tuple[int, int]:
+    """(worker id, worker count) of the current DataLoader worker; (0, 1) in the main process."""
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    return int(info.id), int(info.num_workers)
+
+
+def one_hot_batch(
+    dense: npt.NDArray[np.float32],
+    sparse: npt.NDArray[np.int64],
+    labels: npt.NDArray[np.float32],
+    keys: list[str],
+) -> Batch:
+    """Packs ``[B, D]`` dense, ``[B, T]`` one-hot ids and ``[B]`` labels into a ``Batch``.
+
+    The KJT is key-major (all samples of ``keys[0]``, then ``keys[1]`` ...), as TorchRec expects.
+    """
+    batch_size = sparse.shape[0]
+    values = np.ascontiguousarray(sparse.T).reshape(-1)
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        sparse_features=KeyedJaggedTensor(
+            keys=keys,
+            values=torch.from_numpy(values.astype(np.int64, copy=False)),
+            lengths=torch.ones(batch_size * len(keys), dtype=torch.int32),
+        ),
+        labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32).reshape(-1)),
+    )
