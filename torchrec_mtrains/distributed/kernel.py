@@ -1,0 +1,258 @@
+"""The tiered embedding kernels: fbgemm's fused table-batched module running over a row cache.
+
+Each kernel builds one ``SplitTableBatchedEmbeddingBagsCodegen`` whose tables have only as many
+rows as their caches (in host memory on CPU, in HBM on CUDA). Before every forward the batch's
+row ids are turned into cache slots by :class:`TieredTableGroup`, which reads missing rows from
+their tier and writes evicted dirty rows back. Forward, backward and the fused optimizer then
+run unchanged on the slots, so updates match TorchRec's FUSED kernel row for row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.types import ShardingType
+from torchrec.distributed.utils import data_type_to_sparse_type
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
+from torchrec_mtrains.distributed.sharded_state import alias_registry, swap_aliases
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+# fused-param keys TorchRec or fbgemm use for other kernels that the cache module must not see.
+_DROPPED_FUSED_PARAMS = ("cache_load_factor", "prefetch_pipeline", "enable_raw_embedding_streaming")
+
+
+def _build_cache_module(
+    config: GroupedEmbeddingConfig,
+    local_cols: list[int],
+    feature_table_map: list[int],
+    pooling: PoolingMode,
+    device: torch.device | None,
+) -> tuple[SplitTableBatchedEmbeddingBagsCodegen, TieredTableOptions]:
+    fused_params = dict(config.fused_params or {})
+    options = TieredTableOptions.pop_from_fused_params(fused_params)
+    if options is None:
+        names = ", ".join(t.name for t in config.embedding_tables)
+        raise ValueError(
+            f"tables {names} use the tiered kernel but their sharding carries no tier; "
+            "plan them with TieredParameterSharding (or the tiered planner)"
+        )
+    for key in _DROPPED_FUSED_PARAMS:
+        fused_params.pop(key, None)
+    on_cuda = device is not None and device.type == "cuda"
+    location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+    compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+    cache_rows = [options.cache_rows(t.local_rows) for t in config.embedding_tables]
+    precision = data_type_to_sparse_type(config.data_type)
+    fused_params.setdefault("cache_precision", precision)
+    module = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(r, c, location, compute) for r, c in zip(cache_rows, local_cols)],
+        feature_table_map=feature_table_map,
+        pooling_mode=pooling,
+        weights_precision=precision,
+        device=device,
+        table_names=[t.name for t in config.embedding_tables],
+        **fused_params,
+    )
+    return module, options
+
+
+def _rank(pg: dist.ProcessGroup | None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+class _TieredKernelMixin:
+    """What the pooled and the sequence tiered kernels share: the cache module, the tier-backed
+    optimizer view, remapping, flush/purge and statistics."""
+
+    _emb_module: SplitTableBatchedEmbeddingBagsCodegen
+    _optim: EmbeddingFusedOptimizer
+    tiers: TieredTableGroup
+    training: bool
+
+    def _init_tiers(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        options: TieredTableOptions,
+        storage: TierStorage,
+    ) -> None:
+        self.storage = storage
+        self.tiers = TieredTableGroup(
+            tables=list(config.embedding_tables),
+            feature_table_map=list(self._feature_table_map),  # type: ignore[attr-defined]
+            weight_slots=list(self._emb_module.split_embedding_weights()),
+            states=[dict(s) for s in self._emb_module.get_optimizer_state()]
+            or [{} for _ in config.embedding_tables],
+            options=options,
+            storage=storage,
+            rank=_rank(pg),
+        )
+        # The fused optimizer exposes the tables' state as it lives on the tiers (fbgemm's own
+        # state tensors only hold the cached rows). Learning rate and step go to the module.
+        n = len(self.tiers.shards)
+        weights, registry = alias_registry([self.tiers.weight_view(i) for i in range(n)])
+        states: list[dict[str, torch.Tensor]] = []
+        for i in range(n):
+            views = self.tiers.state_views(i)
+            aliases, more = alias_registry(list(views.values()))
+            registry.update(more)
+            states.append(dict(zip(views.keys(), aliases)))
+        self._optim = EmbeddingFusedOptimizer(
+            config,
+            self._emb_module,
+            pg,
+            embedding_weights_by_table=weights,
+            all_optimizer_states=states,
+        )
+        for param, param_state in self._optim.state.items():
+            if isinstance(param, ShardedTensor):
+                swap_aliases(param, registry)
+            for value in param_state.values():
+                if isinstance(value, ShardedTensor):
+                    swap_aliases(value, registry)
+
+    def _remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if features.variable_stride_per_key():
+            raise NotImplementedError("tiered tables do not support variable batch sizes per key")
+        train = self.training and torch.is_grad_enabled()
+        slots = self.tiers.remap(features.values(), features.length_per_key(), train)
+        return KeyedJaggedTensor(
+            keys=features.keys(),
+            values=slots,
+            weights=features.weights_or_none(),
+            lengths=features.lengths(),
+            offsets=features.offsets(),
+            stride=features.stride(),
+            length_per_key=features.length_per_key(),
+            offset_per_key=features.offset_per_key(),
+        )
+
+    @property
+    def emb_module(self) -> SplitTableBatchedEmbeddingBagsCodegen:
+        return self._emb_module
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def flush(self) -> None:
+        self.tiers.flush()
+
+    def purge(self) -> None:
+        self.tiers.purge()
+
+    def init_parameters(self) -> None:
+        """Initial values are written by the sharded module's ``reset_parameters`` (chunked,
+        straight to the tier); the cache starts empty."""
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        return self.tiers.stats()
+
+    def named_split_embedding_weights(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, shard in enumerate(self.tiers.shards):
+            yield f"{prefix}{shard.name}.weight", self.tiers.weight_view(i)
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        return [self.tiers.weight_view(i) for i in range(len(self.tiers.shards))]
+
+    def named_parameters_by_table(self) -> Iterator[tuple[str, Any]]:
+        # Tiered tables register their (tier-backed) state themselves; see the sharded modules.
+        yield from ()
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ()
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        # Fused: no parameter is handed to a dense optimizer or to DDP.
+        yield from ()
+
+    def state_dict(
+        self,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        # The sharded module builds the tier-backed sharded tensors; the lookup adds nothing.
+        return destination if destination is not None else {}
+
+
+class TieredEmbeddingBag(_TieredKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):  # type: ignore[misc]
+    """Pooled tiered kernel (EmbeddingBagCollection tables).
+
+    Args:
+        config: the group of tables this kernel computes (all with the same tier options).
+        storage: where tier files go.
+        pg / device / sharding_type: as for TorchRec's fused kernel.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        storage: TierStorage,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+    ) -> None:
+        BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        self._emb_module, options = _build_cache_module(
+            config, self._local_cols, self._feature_table_map, self._pooling, device
+        )
+        self._init_tiers(config, pg, options, storage)
+
+    def forward(
+        self,
+        features: KeyedJaggedTensor,
+        vbe_output: torch.Tensor | None = None,
+        vbe_output_offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return cast(torch.Tensor, BaseBatchedEmbeddingBag.forward(self, self._remap(features)))
+
+
+class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):  # type: ignore[misc]
+    """Sequence tiered kernel (EmbeddingCollection tables); see :class:`TieredEmbeddingBag`."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        storage: TierStorage,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        BaseBatchedEmbedding.__init__(self, config, pg, device)
+        self._emb_module, options = _build_cache_module(
+            config, self._local_cols, self._feature_table_map, PoolingMode.NONE, device
+        )
+        self._init_tiers(config, pg, options, storage)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return cast(torch.Tensor, BaseBatchedEmbedding.forward(self, self._remap(features)))

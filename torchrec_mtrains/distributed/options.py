@@ -1,0 +1,188 @@
+"""How a table's tier and cache travel from a sharding plan to the tiered kernel.
+
+TorchRec 1.8 has one hook for a third-party kernel, ``EmbeddingComputeKernel.CUSTOMIZED_KERNEL``,
+so the tier, cache size and policy of each table ride beside it: a
+:class:`TieredParameterSharding` (a ``ParameterSharding`` subclass) hands them to TorchRec as
+extra fused parameters via ``get_additional_fused_params()``, TorchRec groups tables by fused
+parameters, and the kernel pops them before building fbgemm's table-batched module.
+
+Where the tiers' files go is a property of the host, not of a table: :class:`TierStorage`,
+given to the sharders.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ParameterSharding
+
+from torchrec_mtrains.cache.policies import POLICIES
+from torchrec_mtrains.tiers.base import OpenMode, RowStoreError, check_directory
+from torchrec_mtrains.types import Tier
+
+TIERED_KERNEL: str = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+"""The compute-kernel name tiered tables carry in a sharding plan."""
+
+TIER_KEY = "mtrains_tier"
+CACHE_LOAD_FACTOR_KEY = "mtrains_cache_load_factor"
+CACHE_POLICY_KEY = "mtrains_cache_policy"
+_ALL_KEYS = (TIER_KEY, CACHE_LOAD_FACTOR_KEY, CACHE_POLICY_KEY)
+
+STORAGE_TIERS: tuple[Tier, ...] = (Tier.DRAM, Tier.BYTE_SCM, Tier.BLOCK_SCM)
+"""Tiers a tiered table's rows can live on (HBM/DRAM hold its cache)."""
+
+
+@dataclass(frozen=True)
+class TieredTableOptions:
+    """Placement of one tiered table.
+
+    Args:
+        tier: where the rows live: ``byte_scm``, ``block_scm`` (or ``dram``, for tests and for
+            tables that need write-back caching in front of host memory).
+        cache_load_factor: cache size as a fraction of the table shard's rows (at least one
+            row); the cache sits in the compute device's memory.
+        cache_policy: eviction policy name (``lru`` or ``lfu``).
+    """
+
+    tier: Tier = Tier.BYTE_SCM
+    cache_load_factor: float = 0.2
+    cache_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", Tier.parse(self.tier))
+        if self.tier not in STORAGE_TIERS:
+            allowed = ", ".join(t.value for t in STORAGE_TIERS)
+            raise ValueError(f"tier {self.tier.value!r} cannot hold a tiered table; use {allowed}")
+        if not 0.0 < self.cache_load_factor <= 1.0:
+            raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
+        if self.cache_policy not in POLICIES:
+            raise ValueError(
+                f"unknown cache policy {self.cache_policy!r}; expected one of: "
+                f"{', '.join(sorted(POLICIES))}"
+            )
+
+    def cache_rows(self, local_rows: int) -> int:
+        return max(1, min(local_rows, math.ceil(self.cache_load_factor * local_rows)))
+
+    def to_fused_params(self) -> dict[str, Any]:
+        return {
+            TIER_KEY: self.tier.value,
+            CACHE_LOAD_FACTOR_KEY: self.cache_load_factor,
+            CACHE_POLICY_KEY: self.cache_policy,
+        }
+
+    @classmethod
+    def pop_from_fused_params(cls, fused_params: dict[str, Any]) -> TieredTableOptions | None:
+        """Removes this module's keys from ``fused_params``; returns the options they held."""
+        if TIER_KEY not in fused_params:
+            for key in _ALL_KEYS:
+                fused_params.pop(key, None)
+            return None
+        return cls(
+            tier=Tier.parse(fused_params.pop(TIER_KEY)),
+            cache_load_factor=float(fused_params.pop(CACHE_LOAD_FACTOR_KEY, 0.2)),
+            cache_policy=str(fused_params.pop(CACHE_POLICY_KEY, "lru")),
+        )
+
+
+@dataclass
+class TieredParameterSharding(ParameterSharding):
+    """A ``ParameterSharding`` for a table on a storage tier; ``compute_kernel`` must be
+    :data:`TIERED_KERNEL`.
+
+    Example::
+
+        plan = construct_module_sharding_plan(ebc, {"t_big": table_wise(rank=0,
+                                              compute_kernel=TIERED_KERNEL)})
+        plan["t_big"] = TieredParameterSharding.wrap(plan["t_big"], TieredTableOptions(
+            tier="block_scm", cache_load_factor=0.05))
+    """
+
+    tier_options: TieredTableOptions = field(default_factory=TieredTableOptions)
+
+    def __post_init__(self) -> None:
+        if self.compute_kernel != TIERED_KERNEL:
+            raise ValueError(
+                f"TieredParameterSharding needs compute_kernel={TIERED_KERNEL!r}, "
+                f"got {self.compute_kernel!r}"
+            )
+
+    def get_additional_fused_params(self) -> dict[str, Any]:
+        return self.tier_options.to_fused_params()
+
+    @classmethod
+    def wrap(
+        cls, sharding: ParameterSharding, options: TieredTableOptions
+    ) -> TieredParameterSharding:
+        """Returns ``sharding`` (any ParameterSharding) as a tiered one with ``options``."""
+        return cls(
+            sharding_type=sharding.sharding_type,
+            compute_kernel=TIERED_KERNEL,
+            ranks=sharding.ranks,
+            sharding_spec=sharding.sharding_spec,
+            cache_params=sharding.cache_params,
+            enforce_hbm=sharding.enforce_hbm,
+            stochastic_rounding=sharding.stochastic_rounding,
+            bounds_check_mode=sharding.bounds_check_mode,
+            output_dtype=sharding.output_dtype,
+            key_value_params=sharding.key_value_params,
+            tier_options=options,
+        )
+
+
+@dataclass(frozen=True)
+class TierStorage:
+    """Where each tier keeps its files on this host, and how they are opened.
+
+    Args:
+        root: directory under which each tier gets a subdirectory named after it, unless
+            ``dirs`` names one.
+        dirs: per-tier directory overrides, e.g. ``{"byte_scm": "/mnt/pmem0/run"}``.
+        tier_options: per-tier backend options, e.g. ``{"block_scm": {"block_size": 4096}}``.
+        open_mode: what to do with a table file that already exists: ``create`` (the default)
+            refuses to overwrite it, ``open`` resumes from it, ``truncate`` replaces it.
+        checkpoint_chunk_rows: rows per chunk when checkpoints read or write a tiered table,
+            bounding the memory a save or load needs.
+    """
+
+    root: str = "runs/tiers"
+    dirs: Mapping[str, str] = field(default_factory=dict)
+    tier_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    open_mode: OpenMode = OpenMode.CREATE
+    checkpoint_chunk_rows: int = 65_536
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "open_mode", OpenMode(self.open_mode))
+        for name in list(self.dirs) + list(self.tier_options):
+            Tier.parse(name)
+        if self.checkpoint_chunk_rows <= 0:
+            raise ValueError(
+                f"checkpoint_chunk_rows must be positive, got {self.checkpoint_chunk_rows}"
+            )
+
+    def directory(self, tier: Tier, rank: int) -> Path:
+        """The directory holding ``tier``'s files for ``rank``: ``<dir>/rank<rank>``.
+
+        ``root`` is created when missing (it is this run's own directory); a directory named in
+        ``dirs`` must already exist (it is a mount point). Raises ``RowStoreError`` naming the
+        path when a directory is missing, cannot be created or is not writable."""
+        if tier.value in self.dirs:
+            base = Path(self.dirs[tier.value])
+            check_directory(base)
+        else:
+            base = Path(self.root) / tier.value
+        path = base / f"rank{rank}"
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise RowStoreError(f"cannot create tier directory {path}: {e.strerror}") from e
+        check_directory(path)
+        return path
+
+    def options_for(self, tier: Tier) -> dict[str, Any]:
+        return dict(self.tier_options.get(tier.value, {}))

@@ -1,0 +1,353 @@
+"""Sharded EmbeddingBagCollection / EmbeddingCollection that host tiered tables.
+
+TorchRec's sharded modules build their lookups through the sharding objects, whose kernel factory
+raises for ``CUSTOMIZED_KERNEL``, and skip such tables when they build state dicts. These
+subclasses supply grouped lookups that create the tiered kernels, expose each tiered table as a
+``ShardedTensor`` viewing its tier (split into row chunks, so checkpointing never materializes a
+table), load state dicts into the tiers chunk by chunk, and initialize tiered tables chunk by
+chunk. Tables on TorchRec's own kernels are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed._shard.sharding_spec import ShardMetadata
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import (
+    GroupedEmbeddingsLookup,
+    GroupedPooledEmbeddingsLookup,
+)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
+
+from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
+from torchrec_mtrains.distributed.options import TIERED_KERNEL, TierStorage
+from torchrec_mtrains.distributed.sharded_state import chunk_sharded_tensor, init_sharded_tensor
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, TieredTableShard
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+_CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
+
+
+class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """Grouped pooled lookup that builds :class:`TieredEmbeddingBag` for tiered groups."""
+
+    def __init__(self, *, storage: TierStorage, **kwargs: Any) -> None:
+        object.__setattr__(self, "_tier_storage", storage)
+        super().__init__(**kwargs)
+
+    def _create_embedding_kernel(  # type: ignore[override]
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> Any:
+        if config.compute_kernel == _CUSTOM:
+            return TieredEmbeddingBag(config, self._tier_storage, pg, device, sharding_type)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
+    """Grouped sequence lookup that builds :class:`TieredEmbedding` for tiered groups."""
+
+    def __init__(self, *, storage: TierStorage, **kwargs: Any) -> None:
+        object.__setattr__(self, "_tier_storage", storage)
+        super().__init__(**kwargs)
+
+    def _create_embedding_kernel(  # type: ignore[override]
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        env: ShardingEnv | None = None,
+    ) -> Any:
+        if config.compute_kernel == _CUSTOM:
+            return TieredEmbedding(config, self._tier_storage, pg, device)
+        return super()._create_embedding_kernel(config, pg, device, env)
+
+
+class _TieredShardedMixin:
+    """State handling shared by the tiered sharded EBC and EC.
+
+    Subclasses set ``_tables_attr`` (``embedding_bags`` / ``embeddings``) and provide
+    ``_tiered_configs()``."""
+
+    _tables_attr: str
+    _tier_storage: TierStorage
+    _lookups: Any
+    module_sharding_plan: Any
+    _model_parallel_name_to_sharded_tensor: dict[str, Any]
+    _env: ShardingEnv
+
+    def _tiered_table_names(self) -> list[str]:
+        return [
+            name
+            for name, ps in self.module_sharding_plan.items()
+            if ps.compute_kernel == TIERED_KERNEL
+        ]
+
+    def _tiered_groups(self) -> Iterator[TieredTableGroup]:
+        for lookup in self._lookups:
+            module = getattr(lookup, "module", lookup)
+            for kernel in getattr(module, "_emb_modules", []):
+                if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
+                    yield kernel.tiers
+
+    def _tiered_shards(self, table: str) -> Iterator[tuple[TieredTableGroup, int, TieredTableShard]]:
+        for group in self._tiered_groups():
+            for i, shard in enumerate(group.shards):
+                if shard.name == table:
+                    yield group, i, shard
+
+    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
+        raise NotImplementedError
+
+    def _register_tiered_state(self) -> None:
+        """Builds a chunked, tier-backed ShardedTensor per tiered table for state dicts."""
+        pg = self._env.process_group
+        configs = self._config_by_name()
+        for name in self._tiered_table_names():
+            local = [
+                Shard(group.weight_view(i), _local_metadata(group, i, shard))
+                for group, i, shard in self._tiered_shards(name)
+            ]
+            spec = self.module_sharding_plan[name].sharding_spec
+            config = configs[name]
+            global_md = spec.build_metadata(
+                tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
+                tensor_properties=TensorProperties(dtype=data_type_to_dtype(config.data_type)),
+            )
+            whole = init_sharded_tensor(local, global_md, pg)
+            self._model_parallel_name_to_sharded_tensor[name] = chunk_sharded_tensor(
+                whole, self._tier_storage.checkpoint_chunk_rows, pg
+            )
+        self._chunk_optimizer_state(pg)
+
+    def _chunk_optimizer_state(self, pg: dist.ProcessGroup | None) -> None:
+        """Splits the tier-backed optimizer states into row chunks too (same reason)."""
+        chunk = self._tier_storage.checkpoint_chunk_rows
+        for lookup in self._lookups:
+            module = getattr(lookup, "module", lookup)
+            for kernel in getattr(module, "_emb_modules", []):
+                if not isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
+                    continue
+                for states in kernel.fused_optimizer.state.values():
+                    for key, value in list(states.items()):
+                        if isinstance(value, ShardedTensor):
+                            states[key] = chunk_sharded_tensor(value, chunk, pg)
+
+    def _reset_tiered_parameters(self) -> None:
+        configs = self._config_by_name()
+        chunk = self._tier_storage.checkpoint_chunk_rows
+        for name in self._tiered_table_names():
+            init_fn = configs[name].init_fn
+            if init_fn is None:
+                raise ValueError(f"table {name!r} has no init_fn")
+            for group, _, shard in self._tiered_shards(name):
+                if shard.created:
+                    group.initialize(shard, init_fn, chunk)
+
+    def _load_tiered_state(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Copies tiered tables out of ``state_dict`` into their tiers, chunk by chunk, and
+        removes their keys so TorchRec's own loading skips them."""
+        for name in self._tiered_table_names():
+            key = f"{prefix}{self._tables_attr}.{name}.weight"
+            if key not in state_dict:
+                continue
+            value = state_dict.pop(key)
+            mine = self._model_parallel_name_to_sharded_tensor[name]
+            with torch.no_grad():
+                if isinstance(value, ShardedTensor):
+                    _copy_sharded(value, mine, name)
+                elif isinstance(value, torch.Tensor):
+                    for shard in mine.local_shards():
+                        rows = slice(
+                            shard.metadata.shard_offsets[0],
+                            shard.metadata.shard_offsets[0] + shard.metadata.shard_sizes[0],
+                        )
+                        cols = slice(
+                            shard.metadata.shard_offsets[1],
+                            shard.metadata.shard_offsets[1] + shard.metadata.shard_sizes[1],
+                        )
+                        shard.tensor.copy_(value[rows, cols])
+                else:
+                    raise TypeError(f"state_dict[{key!r}]: unexpected type {type(value).__name__}")
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Cache and tier counters per tiered table shard on this rank."""
+        out: dict[str, dict[str, float]] = {}
+        for group in self._tiered_groups():
+            out.update(group.stats())
+        return out
+
+    def flush_tiers(self) -> None:
+        """Writes every dirty cached row back to its tier and syncs the tiers."""
+        for group in self._tiered_groups():
+            group.flush()
+
+
+def _local_metadata(group: TieredTableGroup, index: int, shard: TieredTableShard) -> ShardMetadata:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return ShardMetadata(
+        shard_offsets=[shard.row_offset, shard.col_offset],
+        shard_sizes=[shard.local_rows, shard.cols],
+        placement=f"rank:{rank}/cpu" if group.shards[index].weight_slots.device.type == "cpu"
+        else f"rank:{rank}/{group.shards[index].weight_slots.device}",
+    )
+
+
+def _copy_sharded(src: ShardedTensor, dst: ShardedTensor, table: str) -> None:
+    """Copies the overlap of every local shard of ``src`` into the local shards of ``dst``."""
+    for d in dst.local_shards():
+        d_off, d_size = d.metadata.shard_offsets, d.metadata.shard_sizes
+        covered = 0
+        for s in src.local_shards():
+            s_off, s_size = s.metadata.shard_offsets, s.metadata.shard_sizes
+            lo = [max(a, b) for a, b in zip(d_off, s_off)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(d_off, d_size, s_off, s_size)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            if s.tensor.data_ptr() == d.tensor.data_ptr() and s_off == d_off:
+                covered += d_size[0] * d_size[1]
+                continue  # a view of our own tier: already in place
+            d_part = d.tensor[
+                lo[0] - d_off[0] : hi[0] - d_off[0], lo[1] - d_off[1] : hi[1] - d_off[1]
+            ]
+            s_part = s.tensor[
+                lo[0] - s_off[0] : hi[0] - s_off[0], lo[1] - s_off[1] : hi[1] - s_off[1]
+            ]
+            d_part.copy_(s_part)
+            covered += (hi[0] - lo[0]) * (hi[1] - lo[1])
+        if covered < d_size[0] * d_size[1]:
+            raise ValueError(
+                f"table {table!r}: state dict holds no data on this rank for rows "
+                f"[{d_off[0]}, {d_off[0] + d_size[0]}) cols [{d_off[1]}, {d_off[1] + d_size[1]}); "
+                "load a state dict sharded like this model or use torch.distributed.checkpoint"
+            )
+
+
+def _sharding_type_of(sharding: Any) -> ShardingType | None:
+    return ShardingType.ROW_WISE if isinstance(sharding, RwPooledEmbeddingSharding) else None
+
+
+def _has_tiered(configs: Sequence[GroupedEmbeddingConfig]) -> bool:
+    return any(c.compute_kernel == _CUSTOM for c in configs)
+
+
+class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose plan may place tables on storage tiers.
+
+    Args:
+        storage: where tier files go; the other arguments are ShardedEmbeddingBagCollection's.
+    """
+
+    _tables_attr = "embedding_bags"
+
+    def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
+        object.__setattr__(self, "_tier_storage", storage)
+        super().__init__(*args, **kwargs)
+
+    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
+        return {c.name: c for c in self._embedding_bag_configs}
+
+    def _create_lookups(self) -> None:
+        for sharding in self._embedding_shardings:
+            configs = getattr(sharding, "_grouped_embedding_configs", [])
+            if not _has_tiered(configs):
+                self._lookups.append(sharding.create_lookup())
+                continue
+            self._lookups.append(
+                TieredGroupedPooledEmbeddingsLookup(
+                    storage=self._tier_storage,
+                    grouped_configs=configs,
+                    pg=sharding._pg,
+                    device=sharding._device,
+                    sharding_type=_sharding_type_of(sharding),
+                    env=sharding._env,
+                )
+            )
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)
+        self._register_tiered_state()
+        if not skip_registering:
+            self._register_load_state_dict_pre_hook(_tiered_load_hook, with_module=True)
+
+    def reset_parameters(self) -> None:
+        if self._device is not None and self._device.type == "meta":
+            return
+        tiered = set(self._tiered_table_names())
+        saved = self._embedding_bag_configs
+        self._embedding_bag_configs = [c for c in saved if c.name not in tiered]
+        try:
+            super().reset_parameters()
+        finally:
+            self._embedding_bag_configs = saved
+        self._reset_tiered_parameters()
+
+
+class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingCollection):
+    """ShardedEmbeddingCollection whose plan may place tables on storage tiers."""
+
+    _tables_attr = "embeddings"
+
+    def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
+        object.__setattr__(self, "_tier_storage", storage)
+        super().__init__(*args, **kwargs)
+
+    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
+        return {c.name: c for c in self._embedding_configs}
+
+    def _create_lookups(self) -> None:
+        for sharding in self._sharding_type_to_sharding.values():
+            configs = getattr(sharding, "_grouped_embedding_configs", [])
+            if not _has_tiered(configs):
+                lookup = sharding.create_lookup()
+            else:
+                lookup = TieredGroupedEmbeddingsLookup(
+                    storage=self._tier_storage,
+                    grouped_configs=configs,
+                    pg=sharding._pg,
+                    device=sharding._device,
+                    env=sharding._env,
+                )
+            if self.enable_embedding_update and sharding.enable_embedding_update:
+                self._updates.append(sharding.create_update(lookup))
+            self._lookups.append(lookup)
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)
+        self._register_tiered_state()
+        if not skip_registering:
+            self._register_load_state_dict_pre_hook(_tiered_load_hook, with_module=True)
+
+    def reset_parameters(self) -> None:
+        if self._device is not None and self._device.type == "meta":
+            return
+        tiered = set(self._tiered_table_names())
+        saved = self._embedding_configs
+        self._embedding_configs = [c for c in saved if c.name not in tiered]
+        try:
+            super().reset_parameters()
+        finally:
+            self._embedding_configs = saved
+        self._reset_tiered_parameters()
+
+
+def _tiered_load_hook(module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    # TorchRec's own pre-load hook (registered first) has already flushed and emptied the
+    # caches via lookup.purge(), so the tiers are the only copy and can be written directly.
+    module._load_tiered_state(state_dict, prefix)

@@ -1,0 +1,164 @@
+"""Sharders that let one sharding plan mix TorchRec's kernels with tables on storage tiers.
+
+Tables planned with :data:`TIERED_KERNEL` and a :class:`TieredParameterSharding` live on their
+tier behind a cache; every other table gets TorchRec's own kernel (FUSED in DRAM or HBM,
+FUSED_UVM_CACHING on CUDA) exactly as with the stock sharders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from torchrec_mtrains.distributed.options import (
+    TIERED_KERNEL,
+    TieredParameterSharding,
+    TierStorage,
+)
+from torchrec_mtrains.distributed.sharded import (
+    TieredShardedEmbeddingBagCollection,
+    TieredShardedEmbeddingCollection,
+)
+
+_TIERED_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+)
+
+
+def _check_tiered_plan(params: dict[str, ParameterSharding], storage: TierStorage, env: ShardingEnv) -> None:
+    """Fails at sharding time, naming the table or path, for plans the kernel cannot run."""
+    rank = dist.get_rank(env.process_group) if dist.is_initialized() else 0
+    for table, ps in params.items():
+        if ps.compute_kernel != TIERED_KERNEL:
+            continue
+        if not isinstance(ps, TieredParameterSharding):
+            raise ValueError(
+                f"table {table!r} is planned on the tiered kernel without a tier: use "
+                "TieredParameterSharding (or the tiered planner) for it"
+            )
+        if ps.sharding_type not in _TIERED_SHARDING_TYPES:
+            raise ValueError(
+                f"table {table!r}: sharding type {ps.sharding_type!r} is not supported on a "
+                f"tier; use one of {', '.join(_TIERED_SHARDING_TYPES)}"
+            )
+        storage.directory(ps.tier_options.tier, rank)
+
+
+class _TieredSharderMixin:
+    _storage: TierStorage
+    _offer_tiered: bool
+
+    def _tiered_kernels(self, sharding_type: str) -> list[str]:
+        if self._offer_tiered and sharding_type in _TIERED_SHARDING_TYPES:
+            return [TIERED_KERNEL]
+        return []
+
+    @property
+    def storage(self) -> TierStorage:
+        return self._storage
+
+
+class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagCollectionSharder):
+    """Shards ``EmbeddingBagCollection`` with tables on TorchRec kernels or storage tiers.
+
+    Args:
+        storage: where tier files go (default: ``runs/tiers`` under the working directory).
+        offer_tiered_kernel: list the tiered kernel in ``compute_kernels()`` so a planner may
+            choose it. TorchRec's stock planner cannot estimate it, so this is for the tiered
+            planner; hand-written plans work either way.
+        fused_params: as for TorchRec's sharder (optimizer, learning rate, ...).
+
+    Example::
+
+        sharder = TieredEmbeddingBagCollectionSharder(
+            TierStorage(root="/mnt/run1"), fused_params={"optimizer": OptimType.EXACT_SGD,
+                                                        "learning_rate": 0.1})
+        model = DistributedModelParallel(model, plan=plan, sharders=[sharder])
+    """
+
+    def __init__(
+        self,
+        storage: TierStorage | None = None,
+        offer_tiered_kernel: bool = False,
+        fused_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fused_params=fused_params, **kwargs)
+        self._storage = storage or TierStorage()
+        self._offer_tiered = offer_tiered_kernel
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return list(super().compute_kernels(sharding_type, compute_device_type)) + (
+            self._tiered_kernels(sharding_type)
+        )
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> TieredShardedEmbeddingBagCollection:
+        _check_tiered_plan(params, self._storage, env)
+        return TieredShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            storage=self._storage,
+        )
+
+
+class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionSharder):
+    """Shards ``EmbeddingCollection`` with tables on TorchRec kernels or storage tiers; see
+    :class:`TieredEmbeddingBagCollectionSharder` for the arguments."""
+
+    def __init__(
+        self,
+        storage: TierStorage | None = None,
+        offer_tiered_kernel: bool = False,
+        fused_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fused_params=fused_params, **kwargs)
+        self._storage = storage or TierStorage()
+        self._offer_tiered = offer_tiered_kernel
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return list(super().compute_kernels(sharding_type, compute_device_type)) + (
+            self._tiered_kernels(sharding_type)
+        )
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> TieredShardedEmbeddingCollection:
+        _check_tiered_plan(params, self._storage, env)
+        return TieredShardedEmbeddingCollection(
+            module,
+            params,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+            storage=self._storage,
+        )

@@ -1,0 +1,352 @@
+"""The storage side of the tiered kernel: each table shard's row store and its cache slots.
+
+A :class:`TieredTableGroup` owns, for every table shard in one fused kernel, the row store on its
+tier and the :class:`TableCache` that decides which rows sit in the fused module's (much smaller)
+weight and optimizer-state tensors. Before a forward it turns the batch's row ids into cache
+slots, writing evicted dirty rows back to the tier and reading missing rows in; the fused kernel
+then computes and updates rows in place on the slots, exactly as it would on a whole table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+
+from torchrec_mtrains.cache.table_cache import CachePlan, CacheStats, TableCache
+from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
+from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
+from torchrec_mtrains.types import RowLayout, StorageDType
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class TableIdError(IndexError):
+    """A batch holds a row id outside its table (shard); nothing was written."""
+
+
+@dataclass
+class TieredTableShard:
+    """One table shard of a tiered kernel.
+
+    Attributes:
+        name: the table's name in the model.
+        store: the rows (weights + optimizer state) on their tier.
+        cache: slot bookkeeping for the cached rows.
+        weight_slots: the fused module's weights for this table, ``(cache_rows, cols)``.
+        state_slots: the fused module's optimizer states for this table, each
+            ``(cache_rows, width)``, in the order fbgemm lists them.
+        state_shapes: each state's per-row shape as fbgemm exposes it (``()`` for row-wise).
+        row_offset: first global row of this shard (non-zero for row-wise sharding).
+        col_offset: first global column (non-zero for column-wise sharding).
+        created: whether the store was created now (and so needs initial values).
+    """
+
+    name: str
+    store: RowStore
+    cache: TableCache
+    weight_slots: torch.Tensor
+    state_slots: list[torch.Tensor]
+    state_keys: list[str]
+    state_shapes: list[tuple[int, ...]]
+    row_offset: int
+    col_offset: int
+    created: bool
+
+    @property
+    def local_rows(self) -> int:
+        return self.store.layout.num_rows
+
+    @property
+    def cols(self) -> int:
+        return self.store.layout.dim
+
+    def stats(self) -> dict[str, float]:
+        out = self.cache.stats.as_dict()
+        out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
+        return out
+
+
+def _split_states(
+    states: dict[str, torch.Tensor], cache_rows: int
+) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
+    keys, views, shapes = [], [], []
+    for key, tensor in states.items():
+        if tensor.numel() == 1 and cache_rows != 1:
+            raise ValueError(
+                f"optimizer state {key!r} is a single value per table; tiered tables support "
+                "optimizers whose state is per row (SGD, Adagrad, row-wise Adagrad)"
+            )
+        keys.append(key)
+        shapes.append(tuple(tensor.shape[1:]))
+        views.append(tensor.view(cache_rows, -1))
+    return keys, views, shapes
+
+
+class TieredTableGroup:
+    """The tiered tables of one fused kernel, in the kernel's table order.
+
+    Args:
+        tables: the kernel's sharded table configs.
+        feature_table_map: table index of each input feature, in feature order.
+        weight_slots: per table, the fused module's weight view (``split_embedding_weights()``).
+        states: per table, the fused module's optimizer states (``get_optimizer_state()``).
+        options: placement of the tables (one group shares one set of options).
+        storage: where tier files go.
+        rank: this process's rank (files are per rank).
+    """
+
+    def __init__(
+        self,
+        tables: list[ShardedEmbeddingTable],
+        feature_table_map: list[int],
+        weight_slots: list[torch.Tensor],
+        states: list[dict[str, torch.Tensor]],
+        options: TieredTableOptions,
+        storage: TierStorage,
+        rank: int,
+    ) -> None:
+        self.options = options
+        self.storage = storage
+        self.feature_table_map = feature_table_map
+        self.shards: list[TieredTableShard] = []
+        directory = storage.directory(options.tier, rank)
+        for table, weight, state in zip(tables, weight_slots, states):
+            cache_rows = int(weight.shape[0])
+            keys, views, shapes = _split_states(state, cache_rows)
+            dtype = StorageDType.parse(weight.dtype)
+            layout = RowLayout(
+                num_rows=table.local_rows,
+                dim=table.local_cols,
+                state_width=sum(v.shape[1] for v in views),
+                dtype=dtype,
+            )
+            row_off, col_off = _offsets(table)
+            file_name = f"{table.name}.r{row_off}.c{col_off}"
+            existed = (directory / f"{file_name}.{options.tier.value}.rows").exists()
+            store = open_store(
+                options.tier.value,
+                directory,
+                file_name,
+                layout,
+                mode=storage.open_mode,
+                **storage.options_for(options.tier),
+            )
+            created = storage.open_mode is OpenMode.TRUNCATE or not existed
+            self.shards.append(
+                TieredTableShard(
+                    name=table.name,
+                    store=store,
+                    cache=TableCache(table.name, table.local_rows, cache_rows, options.cache_policy),
+                    weight_slots=weight,
+                    state_slots=views,
+                    state_keys=keys,
+                    state_shapes=shapes,
+                    row_offset=row_off,
+                    col_offset=col_off,
+                    created=created,
+                )
+            )
+        self._mapped: dict[int, np.ndarray[Any, Any]] = {}
+
+    # --------------------------------------------------------------------------- per batch
+
+    def remap(self, values: torch.Tensor, lengths_per_feature: list[int], train: bool) -> torch.Tensor:
+        """Returns ``values`` (row ids, features back to back) with each id replaced by its
+        cache slot, after making every row resident.
+
+        All ids are checked before anything moves, so a bad id leaves the tier untouched."""
+        device = values.device
+        ids = values.to("cpu", torch.int64)
+        segments = list(torch.split(ids, lengths_per_feature))
+        per_table: list[list[int]] = [[] for _ in self.shards]
+        for feature, table_idx in enumerate(self.feature_table_map):
+            per_table[table_idx].append(feature)
+
+        table_ids: list[torch.Tensor] = []
+        for shard, features in zip(self.shards, per_table):
+            t_ids = torch.cat([segments[f] for f in features]) if features else ids[:0]
+            if t_ids.numel():
+                lo, hi = int(t_ids.min()), int(t_ids.max())
+                if lo < 0 or hi >= shard.local_rows:
+                    bad = lo if lo < 0 else hi
+                    where = (
+                        f" (global row {bad + shard.row_offset})" if shard.row_offset else ""
+                    )
+                    raise TableIdError(
+                        f"table {shard.name!r}: row id {bad}{where} out of range "
+                        f"[0, {shard.local_rows}) of this shard; nothing was written"
+                    )
+            table_ids.append(t_ids)
+
+        uniques = [torch.unique(t, return_inverse=True) for t in table_ids]
+        plans = [
+            shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)
+        ]
+        out_segments: list[torch.Tensor] = list(segments)
+        for shard, plan, (_, inverse), features in zip(self.shards, plans, uniques, per_table):
+            self.apply(shard, plan)
+            if train:
+                shard.cache.mark_dirty(plan.slots)
+            slots = plan.slots[inverse]
+            for f, part in zip(features, torch.split(slots, [lengths_per_feature[f] for f in features])):
+                out_segments[f] = part
+        return torch.cat(out_segments).to(device) if out_segments else values
+
+    @torch.no_grad()
+    def apply(self, shard: TieredTableShard, plan: CachePlan) -> None:
+        """Carries out ``plan``: writes dirty victims back, then reads the missing rows in."""
+        if plan.evict_slots.numel():
+            dirty = plan.evict_dirty
+            if bool(dirty.any()):
+                slots = plan.evict_slots[dirty]
+                shard.store.write_rows(plan.evict_ids[dirty].numpy(), self._gather(shard, slots))
+        if plan.load_slots.numel():
+            rows = shard.store.read_rows(plan.load_ids.numpy())
+            self._scatter(shard, plan.load_slots, torch.from_numpy(rows))
+
+    def _gather(self, shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
+        dev_slots = slots.to(shard.weight_slots.device)
+        parts = [shard.weight_slots.index_select(0, dev_slots)]
+        parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
+        rows = torch.cat([p.to("cpu", torch.float32) for p in parts], dim=1)
+        return rows.numpy()
+
+    def _scatter(self, shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        device = shard.weight_slots.device
+        dev_slots = slots.to(device)
+        rows = rows.to(device)
+        cols = shard.cols
+        shard.weight_slots.index_copy_(0, dev_slots, rows[:, :cols].to(shard.weight_slots.dtype))
+        start = cols
+        for view in shard.state_slots:
+            width = view.shape[1]
+            view.index_copy_(0, dev_slots, rows[:, start : start + width].to(view.dtype))
+            start += width
+
+    # ------------------------------------------------------------------------ whole tables
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Writes every dirty cached row back and makes the tiers durable; rows stay cached."""
+        for shard in self.shards:
+            ids, slots = shard.cache.dirty_rows()
+            if ids.numel():
+                shard.store.write_rows(ids.numpy(), self._gather(shard, slots))
+                shard.cache.mark_clean(slots)
+            shard.store.flush()
+
+    def purge(self) -> None:
+        """Writes dirty rows back, then empties the caches, so the next batch reads every row
+        from the tier (used after a checkpoint load wrote the tier directly)."""
+        self.flush()
+        for shard in self.shards:
+            shard.cache.clear()
+
+    @torch.no_grad()
+    def initialize(
+        self, shard: TieredTableShard, init_fn: Callable[[torch.Tensor], Any], chunk_rows: int
+    ) -> None:
+        """Fills a table shard's weights chunk by chunk with ``init_fn`` and zeroes its
+        optimizer state, never holding more than ``chunk_rows`` rows in memory."""
+        shard.cache.clear()
+        layout = shard.store.layout
+        for start in range(0, layout.num_rows, chunk_rows):
+            count = min(chunk_rows, layout.num_rows - start)
+            rows = torch.zeros(count, layout.row_width, dtype=torch.float32)
+            weights = torch.empty(count, layout.dim, dtype=layout.dtype.torch)
+            init_fn(weights)
+            rows[:, : layout.dim] = weights.to(torch.float32)
+            shard.store.write_range(start, rows.numpy())
+        shard.store.flush()
+
+    def mapped_rows(self, index: int) -> torch.Tensor:
+        """The shard's rows on its tier as a ``(rows, row_width)`` tensor viewing the file (or
+        the tier's memory), without copying. Views reflect the tier, so call :meth:`flush`
+        first for current values."""
+        if index not in self._mapped:
+            store = self.shards[index].store
+            mapped = getattr(store, "mapped_rows", None)
+            if callable(mapped):
+                array = mapped()
+            else:
+                store.flush()
+                layout = store.layout
+                array = np.memmap(
+                    store.path,
+                    dtype=layout.dtype.numpy,
+                    mode="r+",
+                    offset=_data_offset(store),
+                    shape=(layout.num_rows, layout.row_width),
+                )
+            self._mapped[index] = array
+        return torch.from_numpy(self._mapped[index])
+
+    def weight_view(self, index: int) -> torch.Tensor:
+        shard = self.shards[index]
+        return self.mapped_rows(index)[:, : shard.cols]
+
+    def state_views(self, index: int) -> dict[str, torch.Tensor]:
+        """Optimizer states on the tier, shaped as fbgemm's ``get_optimizer_state()`` would."""
+        shard = self.shards[index]
+        rows = self.mapped_rows(index)
+        out: dict[str, torch.Tensor] = {}
+        start = shard.cols
+        for key, view, shape in zip(shard.state_keys, shard.state_slots, shard.state_shapes):
+            width = view.shape[1]
+            part = rows[:, start : start + width]
+            out[key] = part.reshape(shard.local_rows, *shape) if shape else part[:, 0]
+            start += width
+        return out
+
+    def close(self) -> None:
+        self._mapped.clear()
+        for shard in self.shards:
+            shard.store.close()
+
+    def __iter__(self) -> Iterator[TieredTableShard]:
+        return iter(self.shards)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Counters per table shard, keyed ``<table>`` (``<table>@<row>,<col>`` for shards
+        other than the first)."""
+        out: dict[str, dict[str, float]] = {}
+        for shard in self.shards:
+            key = shard.name
+            if key in out or shard.row_offset or shard.col_offset:
+                key = f"{shard.name}@{shard.row_offset},{shard.col_offset}"
+            out[key] = shard.stats()
+        return out
+
+
+def merge_cache_stats(stats: list[CacheStats]) -> CacheStats:
+    total = CacheStats()
+    for s in stats:
+        total.lookups += s.lookups
+        total.hits += s.hits
+        total.misses += s.misses
+        total.evictions += s.evictions
+        total.writebacks += s.writebacks
+    return total
+
+
+def _offsets(table: ShardedEmbeddingTable) -> tuple[int, int]:
+    md = table.local_metadata
+    if md is None or not md.shard_offsets:
+        return 0, 0
+    offsets = list(md.shard_offsets) + [0, 0]
+    return int(offsets[0]), int(offsets[1])
+
+
+def _data_offset(store: RowStore) -> int:
+    offset = getattr(store, "data_offset", None)
+    if isinstance(offset, int):
+        return offset
+    from torchrec_mtrains.tiers.base import DATA_OFFSET
+
+    return DATA_OFFSET
