@@ -1,0 +1,142 @@
+"""Turns a model's tables into a TorchRec sharding plan that puts large tables on storage tiers.
+
+This is the size rule used when no access profile drives placement: the smallest tables stay in
+DRAM on TorchRec's FUSED kernel until ``dram_budget`` is spent, the rest go to byte SCM, or to
+block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
+Tables are placed table-wise, round-robin over ranks by size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import EmbeddingModuleShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_mtrains.distributed import (
+    TIERED_KERNEL,
+    TieredParameterSharding,
+    TieredTableOptions,
+)
+from torchrec_mtrains.types import Tier
+
+_UNITS = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+
+
+def parse_bytes(value: str | int, option: str) -> int:
+    """``"64MB"`` -> 67108864 (binary units); raises ``ValueError`` naming ``option``."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?B?)\s*", str(value).upper())
+    if not match:
+        raise ValueError(f"{option}={value!r} is not a size; write e.g. 512MB, 2GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where one table went, for the plan printout."""
+
+    table: str
+    rows: int
+    dim: int
+    tier: Tier
+    kernel: str
+    cache_rows: int
+    rank: int
+    bytes: int
+
+
+def table_bytes(config: EmbeddingBagConfig, state_width: int = 1) -> int:
+    """Bytes of a table's weights plus row-wise optimizer state, in float32."""
+    return config.num_embeddings * (config.embedding_dim + state_width) * 4
+
+
+def size_rule_plan(
+    ebc: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    world_size: int,
+    dram_budget: int,
+    block_scm_min_bytes: int,
+    cache_load_factor: float,
+    cache_policy: str,
+) -> tuple[EmbeddingModuleShardingPlan, list[TablePlacement]]:
+    """Builds the plan and a per-table summary (see the module docstring for the rule)."""
+    configs = sorted(ebc.embedding_bag_configs(), key=table_bytes)
+    placements: list[TablePlacement] = []
+    generators = {}
+    options: dict[str, TieredTableOptions] = {}
+    spent = 0
+    rank_load = [0] * world_size
+    for config in configs:
+        size = table_bytes(config)
+        rank = min(range(world_size), key=lambda r: rank_load[r])
+        rank_load[rank] += size
+        if spent + size <= dram_budget:
+            spent += size
+            generators[config.name] = table_wise(rank=rank, compute_kernel="fused")
+            placements.append(
+                TablePlacement(
+                    config.name,
+                    config.num_embeddings,
+                    config.embedding_dim,
+                    Tier.DRAM,
+                    "fused",
+                    config.num_embeddings,
+                    rank,
+                    size,
+                )
+            )
+            continue
+        tier = Tier.BLOCK_SCM if size >= block_scm_min_bytes else Tier.BYTE_SCM
+        opts = TieredTableOptions(
+            tier=tier, cache_load_factor=cache_load_factor, cache_policy=cache_policy
+        )
+        options[config.name] = opts
+        generators[config.name] = table_wise(rank=rank, compute_kernel=TIERED_KERNEL)
+        placements.append(
+            TablePlacement(
+                config.name,
+                config.num_embeddings,
+                config.embedding_dim,
+                tier,
+                "tiered",
+                opts.cache_rows(config.num_embeddings),
+                rank,
+                size,
+            )
+        )
+    plan = construct_module_sharding_plan(
+        ebc,
+        generators,
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    for name, opts in options.items():
+        plan[name] = TieredParameterSharding.wrap(plan[name], opts)
+    return plan, placements
+
+
+def format_placements(placements: list[TablePlacement]) -> str:
+    """The plan as a readable table."""
+    header = f"{'table':<12}{'rows':>12}{'dim':>6}  {'tier':<10}{'kernel':<8}{'cache rows':>12}{'rank':>6}{'MB':>10}"
+    lines = [header, "-" * len(header)]
+    for p in sorted(placements, key=lambda p: p.table):
+        lines.append(
+            f"{p.table:<12}{p.rows:>12}{p.dim:>6}  {p.tier.value:<10}{p.kernel:<8}"
+            f"{p.cache_rows:>12}{p.rank:>6}{p.bytes / 2**20:>10.1f}"
+        )
+    per_tier: dict[str, int] = {}
+    for p in placements:
+        per_tier[p.tier.value] = per_tier.get(p.tier.value, 0) + p.bytes
+    lines.append(
+        "bytes per tier: "
+        + ", ".join(f"{t} {b / 2**20:.1f} MB" for t, b in sorted(per_tier.items()))
+    )
+    return "\n".join(lines)
