@@ -95,6 +95,10 @@ def expand_paths(paths: str | Sequence[str]) -> list[str]:
     return files
 
 
+def _show(field: bytes) -> str:
+    return repr(field.decode("utf-8", errors="replace"))
+
+
 def parse_row(line: bytes) -> tuple[int, list[int], list[int]]:
     """Parses one line into (label, raw dense ints, raw categorical ints).
 
@@ -105,13 +109,13 @@ def parse_row(line: bytes) -> tuple[int, list[int], list[int]]:
     if len(fields) != NUM_FIELDS:
         raise ValueError(f"expected {NUM_FIELDS} tab-separated fields, got {len(fields)}")
     if fields[0] not in (b"0", b"1"):
-        raise ValueError(f"label {fields[0]!r} is not 0 or 1")
+        raise ValueError(f"label {_show(fields[0])} is not 0 or 1")
     dense: list[int] = []
     for i, field in enumerate(fields[1 : 1 + INT_FEATURE_COUNT]):
         try:
             dense.append(int(field) if field else 0)
         except ValueError:
-            raise ValueError(f"dense feature int_{i} {field!r} is not an integer") from None
+            raise ValueError(f"dense feature int_{i} {_show(field)} is not an integer") from None
     sparse: list[int] = []
     for i, field in enumerate(fields[1 + INT_FEATURE_COUNT :]):
         try:
@@ -119,7 +123,7 @@ def parse_row(line: bytes) -> tuple[int, list[int], list[int]]:
         except ValueError:
             value = -1
         if value < 0:
-            raise ValueError(f"categorical feature cat_{i} {field!r} is not hexadecimal")
+            raise ValueError(f"categorical feature cat_{i} {_show(field)} is not hexadecimal")
         sparse.append(value)
     return int(fields[0]), dense, sparse
 
