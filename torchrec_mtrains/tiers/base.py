@@ -8,19 +8,23 @@ the rows it evicts, so every method takes a vector of ids.
 Files created by a store share one on-disk format: a fixed header block followed by the rows,
 packed back to back from ``DATA_OFFSET`` (row ``i`` starts at ``DATA_OFFSET + i * row_bytes``).
 The header records the shape, so a file made for another table shape, dtype, tier or format
-version is refused when opened.
+version is refused when opened. New files are created with mode 0600 and preallocated in full,
+so a full device is reported when the store is created rather than as a lost write (or, for a
+memory mapping, a SIGBUS) later.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import os
+import stat
 import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -224,6 +228,8 @@ class RowStore(ABC):
         self.directory = Path(directory)
         self.path = self.directory / f"{table}.{self.name}{FILE_SUFFIX}"
         self.stats = TierStats()
+        self.data_offset = DATA_OFFSET
+        self.created = False
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._closed = False
@@ -244,8 +250,14 @@ class RowStore(ABC):
     def write_rows(self, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
         """Stores ``rows[i]`` (weights then optimizer state) as row ``ids[i]``.
 
-        Ids must be unique within one call."""
+        Ids must be unique within one call (a repeated id would make the result depend on the
+        tier); ``ValueError`` otherwise."""
         ids_arr = self._check_ids(ids)
+        if ids_arr.size > 1 and np.unique(ids_arr).size != ids_arr.size:
+            raise ValueError(f"table {self.table!r}: write_rows ids must be unique")
+        self._write_checked(ids_arr, rows)
+
+    def _write_checked(self, ids_arr: IdArray, rows: npt.ArrayLike) -> None:
         rows_arr = np.ascontiguousarray(rows, dtype=np.float32)
         if rows_arr.shape != (ids_arr.size, self.layout.row_width):
             raise ValueError(
@@ -266,8 +278,14 @@ class RowStore(ABC):
     def write_range(self, start: int, rows: npt.ArrayLike) -> None:
         """Stores consecutive rows from ``start``: the sequential path for init and restore."""
         rows_arr = np.asarray(rows)
+        if rows_arr.ndim != 2:
+            raise ValueError(
+                f"table {self.table!r}: rows must be 2-D (count, {self.layout.row_width}), "
+                f"got shape {rows_arr.shape}"
+            )
         self._check_range(start, rows_arr.shape[0])
-        self.write_rows(np.arange(start, start + rows_arr.shape[0], dtype=np.int64), rows_arr)
+        self._check_open()
+        self._write_checked(np.arange(start, start + rows_arr.shape[0], dtype=np.int64), rows_arr)
 
     def flush(self) -> None:
         """Makes every completed write durable on the medium."""
@@ -287,6 +305,14 @@ class RowStore(ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def mapped_rows(self) -> npt.NDArray[Any] | None:
+        """The ``(num_rows, row_width)`` array in storage dtype that *is* the store's memory, for
+        zero-copy checkpoints; ``None`` for tiers without a byte-addressable copy (block tiers).
+
+        Writes through it bypass the counters and the write lock, and it is only valid until
+        :meth:`close`."""
+        return None
 
     def __enter__(self) -> RowStore:
         return self
@@ -360,6 +386,101 @@ class RowStore(ABC):
     def _expected_header(self, data_offset: int = DATA_OFFSET) -> FileHeader:
         return FileHeader.for_layout(self.name, self.layout, data_offset)
 
+    def _os_error(self, err: OSError, doing: str) -> RowStoreError:
+        """Turns ``err`` into a ``RowStoreError`` naming the file; the caller raises it."""
+        return os_error(self.path, err, doing)
+
+    def _prepare_file(
+        self,
+        data_offset: int = DATA_OFFSET,
+        file_bytes: int | None = None,
+        accept_data_offset: Callable[[int], bool] | None = None,
+    ) -> FileHeader:
+        """Applies the open mode to :attr:`path`: creates the file (header, then every row
+        preallocated as zeros) or checks the existing file's header and size.
+
+        Args:
+            data_offset: where rows start in a new file.
+            file_bytes: size of a new file; defaults to ``data_offset + layout.total_bytes``
+                (a block tier rounds it up to whole blocks).
+            accept_data_offset: whether an existing file's data offset is usable; by default
+                only ``data_offset`` itself is.
+
+        Returns the header in effect; sets :attr:`data_offset` and :attr:`created`.
+        """
+        if file_bytes is None:
+            file_bytes = data_offset + self.layout.total_bytes
+        exists = os.path.lexists(self.path)
+        if self.mode is OpenMode.CREATE and exists:
+            raise RowStoreError(f"{self.path}: already exists (mode=create refuses to replace it)")
+        if self.mode is OpenMode.OPEN and not exists:
+            raise RowStoreError(f"{self.path}: no such row file (mode=open needs an existing one)")
+        if exists and self.mode is not OpenMode.TRUNCATE:
+            header = self._check_existing(data_offset, accept_data_offset)
+        else:
+            header = self._create_file(data_offset, file_bytes)
+        self.data_offset = header.data_offset
+        return header
+
+    def _check_existing(
+        self, data_offset: int, accept_data_offset: Callable[[int], bool] | None
+    ) -> FileHeader:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._os_error(e, "opening") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RowStoreError(f"{self.path}: not a regular file")
+            raw = os.pread(fd, HEADER_BYTES, 0)
+        except OSError as e:
+            raise self._os_error(e, "reading the header") from e
+        finally:
+            os.close(fd)
+        found = FileHeader.unpack(raw, self.path)
+        accept = accept_data_offset or (lambda offset: offset == data_offset)
+        if accept(found.data_offset) and found.data_offset >= HEADER_BYTES:
+            data_offset = found.data_offset
+        found.check_matches(self._expected_header(data_offset), self.path)
+        needed = data_offset + self.layout.total_bytes
+        if st.st_size < needed:
+            raise HeaderMismatchError(
+                f"{self.path}: file is truncated: {st.st_size} bytes, the header's shape needs "
+                f"{needed}"
+            )
+        return found
+
+    def _create_file(self, data_offset: int, file_bytes: int) -> FileHeader:
+        header = self._expected_header(data_offset)
+        if self.mode is OpenMode.TRUNCATE:
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as e:
+                raise self._os_error(e, "removing the old file") from e
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        except FileExistsError as e:
+            raise RowStoreError(f"{self.path}: created concurrently by someone else") from e
+        except OSError as e:
+            raise self._os_error(e, "creating") from e
+        try:
+            os.fchmod(fd, FILE_MODE)  # exact mode whatever the umask
+            # Allocates every block now: a full device fails here, not at a later write or, for
+            # a memory mapping, as a SIGBUS when a page of a sparse file is first touched.
+            os.posix_fallocate(fd, 0, file_bytes)
+            os.pwrite(fd, header.pack(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise self._os_error(e, f"creating ({file_bytes} bytes)") from e
+        os.close(fd)
+        _fsync_directory(self.directory)
+        self.created = True
+        logger.debug("created %s (%d bytes)", self.path, file_bytes)
+        return header
+
 
 def check_table_name(table: str) -> None:
     """Refuses names that would place a file outside the store's directory."""
@@ -374,7 +495,41 @@ def check_directory(directory: Path) -> None:
     if not directory.is_dir():
         raise RowStoreError(f"tier directory {directory} is not a directory")
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise RowStoreError(f"tier directory {directory} is not writable")
+        # access() answers for root too (read-only mounts and immutable directories refuse
+        # even root), so name the likely cause.
+        try:
+            read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        cause = "read-only file system" if read_only else "permission denied or immutable"
+        raise RowStoreError(f"tier directory {directory} is not writable ({cause})")
+
+
+def os_error(path: Path, err: OSError, doing: str) -> RowStoreError:
+    """A ``RowStoreError`` for ``err`` raised while ``doing`` something to ``path``."""
+    if err.errno == errno.ENOSPC:
+        return RowStoreError(f"{path}: device full while {doing}: no space left on the device")
+    if err.errno == errno.EDQUOT:
+        return RowStoreError(f"{path}: disk quota exceeded while {doing}")
+    if err.errno == errno.EROFS:
+        return RowStoreError(f"{path}: read-only file system while {doing}")
+    return RowStoreError(f"{path}: {doing} failed: {err.strerror or err}")
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes a new file's directory entry durable; some file systems refuse fsync on
+    # directories, which only weakens crash durability of the entry, so it is logged.
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        logger.debug("cannot open %s to fsync it: %s", directory, e)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        logger.debug("fsync of directory %s failed: %s", directory, e)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------- registry
