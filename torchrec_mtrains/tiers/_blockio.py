@@ -1,0 +1,340 @@
+"""Aligned buffers and the engines that issue many block I/Os at once for the block tier.
+
+A batch of random rows becomes thousands of small independent reads; a device like NVMe only
+reaches its rated IOPS with many of them in flight. Two engines keep ``depth`` I/Os in flight:
+
+* :class:`AioEngine` -- Linux native AIO (``io_submit``/``io_getevents``) through raw syscalls:
+  one Python thread drives the whole queue, so the cost per I/O is a syscall, not a thread
+  hand-off. Truly asynchronous only with ``O_DIRECT``.
+* :class:`ThreadEngine` -- a pool of ``depth`` threads each looping over a slice of the I/Os
+  with ``os.preadv``/``os.pwritev`` (which release the GIL). Works on every file, buffered too,
+  but on a two-core machine the GIL hand-offs cap it well below the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import logging
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+import numpy.typing as npt
+
+from torchrec_mtrains.tiers import _linux
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+I64Array = npt.NDArray[np.int64]
+
+# struct iocb and struct io_event from linux/aio_abi.h (64-bit little-endian layout).
+_IOCB = np.dtype(
+    [
+        ("data", "<u8"),
+        ("key", "<u4"),
+        ("rw_flags", "<u4"),
+        ("opcode", "<u2"),
+        ("reqprio", "<i2"),
+        ("fildes", "<u4"),
+        ("buf", "<u8"),
+        ("nbytes", "<u8"),
+        ("offset", "<i8"),
+        ("reserved2", "<u8"),
+        ("flags", "<u4"),
+        ("resfd", "<u4"),
+    ]
+)
+_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
+_IOCB_CMD_PREAD = 0
+_IOCB_CMD_PWRITE = 1
+assert _IOCB.itemsize == 64 and _EVENT.itemsize == 32
+
+
+class IOEngineKind(str, enum.Enum):
+    """Which engine a block store issues its I/Os with."""
+
+    AUTO = "auto"  # AIO for O_DIRECT files where the kernel offers it, threads otherwise
+    AIO = "aio"
+    THREADS = "threads"
+
+
+class AlignedBuffer:
+    """Page-aligned memory from an anonymous mapping, as O_DIRECT requires of user buffers."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(nbytes, mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8)
+        self.view = memoryview(self._map)
+        self.address: int = self.array.ctypes.data
+
+
+class BufferPool:
+    """Reuses aligned buffers across calls: faulting in fresh pages for every batch would cost
+    about as much as the gather itself. Keeps at most ``keep_bytes`` of idle buffers."""
+
+    def __init__(self, keep_bytes: int = 256 << 20) -> None:
+        self._idle: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+        self._keep_bytes = keep_bytes
+
+    def take(self, nbytes: int) -> AlignedBuffer:
+        with self._lock:
+            fits = [b for b in self._idle if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._idle.remove(best)
+                return best
+        # Round up so slightly different batch sizes reuse the same buffer.
+        return AlignedBuffer(1 << max(nbytes - 1, 1).bit_length())
+
+    def give(self, buf: AlignedBuffer) -> None:
+        with self._lock:
+            self._idle.append(buf)
+            self._idle.sort(key=lambda b: b.nbytes)
+            while sum(b.nbytes for b in self._idle) > self._keep_bytes and self._idle:
+                self._idle.pop()  # drop the largest
+
+
+class IOEngine(ABC):
+    """Issues a list of independent I/Os between one file and one buffer.
+
+    Each I/O ``i`` moves ``lengths[i]`` bytes between the file at ``file_offsets[i]`` and the
+    buffer at ``buf_offsets[i]``. Returns the number of system calls issued; raises ``OSError``
+    (after every I/O has finished, so the buffer is free again).
+    """
+
+    depth: int
+
+    @abstractmethod
+    def run(
+        self,
+        fd: int,
+        write: bool,
+        buf: AlignedBuffer,
+        buf_offsets: I64Array,
+        file_offsets: I64Array,
+        lengths: I64Array,
+    ) -> int: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def _pio(
+    fd: int,
+    write: bool,
+    view: memoryview,
+    buf_offsets: list[int],
+    file_offsets: list[int],
+    lengths: list[int],
+) -> int:
+    """Synchronous I/O of a slice of the list; completes short transfers."""
+    calls = 0
+    call = os.pwritev if write else os.preadv
+    for b, o, n in zip(buf_offsets, file_offsets, lengths):
+        done = call(fd, [view[b : b + n]], o)
+        calls += 1
+        while done < n:  # short transfer: only at end of file or on signals
+            moved = call(fd, [view[b + done : b + n]], o + done)
+            calls += 1
+            if moved == 0:
+                raise OSError(errno.EIO, f"unexpected end of file at offset {o + done}")
+            done += moved
+    return calls
+
+
+class ThreadEngine(IOEngine):
+    """``depth`` worker threads, each issuing a slice of the I/Os with positional syscalls."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="block_scm-io")
+            return self._pool
+
+    def run(
+        self,
+        fd: int,
+        write: bool,
+        buf: AlignedBuffer,
+        buf_offsets: I64Array,
+        file_offsets: I64Array,
+        lengths: I64Array,
+    ) -> int:
+        n = len(lengths)
+        bo, fo, ln = buf_offsets.tolist(), file_offsets.tolist(), lengths.tolist()
+        if n <= 2 or self.depth == 1:
+            return _pio(fd, write, buf.view, bo, fo, ln)
+        k = min(self.depth, n)
+        pool = self._executor()
+        futures: list[Future[int]] = [
+            pool.submit(_pio, fd, write, buf.view, bo[i::k], fo[i::k], ln[i::k]) for i in range(k)
+        ]
+        wait(futures)  # all of them, before raising: the buffer is in use until then
+        return sum(f.result() for f in futures)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+class AioEngine(IOEngine):
+    """Linux native AIO with up to ``depth`` I/Os in flight per call.
+
+    Each concurrent caller takes its own AIO context from a small pool, so several threads can
+    read at once (the syscalls release the GIL). Raises ``OSError`` from the constructor when
+    the kernel or platform does not offer AIO, so the caller can fall back to threads.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._call, self._nr_setup, self._nr_destroy, self._nr_submit, self._nr_getevents = (
+            _linux.syscall_fn()
+        )
+        self._idle: list[int] = []
+        self._lock = threading.Lock()
+        self._idle.append(self._setup())  # fail now, not at the first read
+
+    def _setup(self) -> int:
+        ctx = ctypes.c_ulong(0)
+        if self._call(self._nr_setup, self.depth, ctypes.addressof(ctx), 0, 0, 0, 0) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"io_setup: {os.strerror(err)}")
+        return ctx.value
+
+    def _destroy(self, ctx: int) -> None:
+        # Waits for the context's outstanding I/Os before returning.
+        if self._call(self._nr_destroy, ctx, 0, 0, 0, 0, 0) < 0:
+            logger.warning("io_destroy failed: %s", os.strerror(ctypes.get_errno()))
+
+    def run(
+        self,
+        fd: int,
+        write: bool,
+        buf: AlignedBuffer,
+        buf_offsets: I64Array,
+        file_offsets: I64Array,
+        lengths: I64Array,
+    ) -> int:
+        n = len(lengths)
+        if n == 0:
+            return 0
+        iocbs = np.zeros(n, dtype=_IOCB)
+        iocbs["data"] = np.arange(n)
+        iocbs["opcode"] = _IOCB_CMD_PWRITE if write else _IOCB_CMD_PREAD
+        iocbs["fildes"] = fd
+        iocbs["buf"] = buf.address + buf_offsets
+        iocbs["nbytes"] = lengths
+        iocbs["offset"] = file_offsets
+        pointers = iocbs.ctypes.data + np.arange(n, dtype=np.uint64) * _IOCB.itemsize
+        events = np.zeros(n, dtype=_EVENT)
+        with self._lock:
+            ctx = self._idle.pop() if self._idle else None
+        if ctx is None:
+            ctx = self._setup()
+        try:
+            calls = self._drive(ctx, n, pointers.ctypes.data, events.ctypes.data)
+        except BaseException:
+            self._destroy(ctx)  # blocks until the kernel is done with the buffer
+            raise
+        with self._lock:
+            self._idle.append(ctx)
+        res = events["res"]
+        expected = lengths[events["data"].astype(np.int64)]
+        bad = np.flatnonzero(res != expected)
+        if bad.size:
+            i = int(bad[0])
+            offset = int(file_offsets[int(events["data"][i])])
+            if res[i] < 0:
+                err = int(-res[i])
+                raise OSError(
+                    err, f"{'write' if write else 'read'} at offset {offset}: {os.strerror(err)}"
+                )
+            raise OSError(
+                errno.EIO,
+                f"short {'write' if write else 'read'} at offset {offset}: "
+                f"{int(res[i])} of {int(expected[i])} bytes",
+            )
+        return calls
+
+    def _drive(self, ctx: int, n: int, pointers: int, events: int) -> int:
+        call, submit, getevents, depth = self._call, self._nr_submit, self._nr_getevents, self.depth
+        submitted = completed = calls = 0
+        while completed < n:
+            # One iocb per io_submit: measured faster than batched submits on the virtio disk
+            # of our CI machine (~65k vs ~55k reads/s at depth 32), as the kernel then
+            # dispatches each request at once instead of plugging the batch.
+            while submitted < n and submitted - completed < depth:
+                calls += 1
+                if call(submit, ctx, 1, pointers + submitted * 8, 0, 0, 0) == 1:
+                    submitted += 1
+                    continue
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err == errno.EAGAIN and submitted > completed:
+                    break  # kernel queue full: reap first
+                raise OSError(err, f"io_submit: {os.strerror(err)}")
+            calls += 1
+            got = call(
+                getevents,
+                ctx,
+                1,
+                submitted - completed,
+                events + completed * _EVENT.itemsize,
+                0,
+                0,
+            )
+            if got < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, f"io_getevents: {os.strerror(err)}")
+            completed += got
+        return calls
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for ctx in idle:
+            self._destroy(ctx)
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str, *args: object) -> None:
+    """Logs ``message`` as a warning the first time ``key`` is seen in this process, later at
+    debug level: a fallback hit by every table would otherwise flood the log."""
+    with _warned_lock:
+        first = key not in _warned
+        _warned.add(key)
+    logger.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+
+def make_engine(kind: IOEngineKind, depth: int, direct: bool) -> IOEngine:
+    """Builds the engine ``kind`` asks for; ``AUTO`` picks AIO for O_DIRECT files and falls
+    back to threads (warning once) where the kernel refuses AIO."""
+    if kind is IOEngineKind.THREADS or (kind is IOEngineKind.AUTO and not direct):
+        return ThreadEngine(depth)
+    try:
+        return AioEngine(depth)
+    except OSError as e:
+        if kind is IOEngineKind.AIO:
+            raise
+        warn_once("aio", "native AIO unavailable (%s); block I/O uses a thread pool", e)
+        return ThreadEngine(depth)

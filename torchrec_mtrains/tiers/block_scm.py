@@ -1,0 +1,325 @@
+"""The block-addressable SCM tier: a file on an NVMe / Optane SSD read and written in aligned
+blocks, bypassing the page cache with ``O_DIRECT``.
+
+Rows are packed back to back (the shared flat layout), so a row may straddle two blocks and a
+block may hold parts of several rows. A batch read turns the rows into the set of blocks that
+cover them, merges adjacent blocks into single I/Os and keeps ``queue_depth`` of them in flight
+(see :mod:`torchrec_mtrains.tiers._blockio`): random single-row reads are bound by device IOPS,
+which only a deep queue reaches. Writes read-modify-write the partially covered blocks and write
+each touched block once per pass.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import ClassVar
+
+import numpy as np
+
+from torchrec_mtrains.tiers._blockio import (
+    AlignedBuffer,
+    BufferPool,
+    I64Array,
+    IOEngineKind,
+    ThreadEngine,
+    make_engine,
+    warn_once,
+)
+from torchrec_mtrains.tiers.base import (
+    DATA_OFFSET,
+    IdArray,
+    OpenMode,
+    RowArray,
+    RowStore,
+    register_tier,
+)
+from torchrec_mtrains.types import RowLayout
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where a pass's rows sit: ``blocks`` are the sorted unique blocks covering them (placed
+    back to back in the buffer), ``buf_pos`` each row's byte offset in that buffer."""
+
+    blocks: I64Array
+    buf_pos: I64Array
+    coverage: I64Array | None  # bytes of each block the rows cover (writes only)
+
+
+def _runs(blocks: I64Array, max_len: int) -> tuple[I64Array, I64Array]:
+    """Splits sorted unique block numbers into runs of consecutive blocks of at most
+    ``max_len``; returns each run's first index into ``blocks`` and its length."""
+    n = blocks.size
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    ends = np.concatenate((breaks, [n])).astype(np.int64)
+    lengths = ends - starts
+    if lengths.size and int(lengths.max()) > max_len:
+        pieces = -(-lengths // max_len)
+        within = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts = np.repeat(starts, pieces) + within * max_len
+        lengths = np.minimum(starts + max_len, np.repeat(ends, pieces)) - starts
+    return starts, lengths
+
+
+@register_tier
+class BlockSCMStore(RowStore):
+    """Rows in a file accessed by aligned block I/O.
+
+    Args:
+        directory: existing, writable directory for the file (on the SSD).
+        table: table (or shard) name.
+        layout: shape of the rows.
+        mode: what to do with an existing file (see :class:`OpenMode`).
+        block_size: I/O unit in bytes, a power of two >= 512 (the device's logical block size
+            or a multiple of it for O_DIRECT).
+        queue_depth: I/Os kept in flight at once.
+        direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
+            with one warning per process where it does not, e.g. on older tmpfs).
+        engine: ``"auto"`` (native AIO for O_DIRECT files, threads otherwise), ``"aio"`` or
+            ``"threads"``.
+        max_io_bytes: cap on one merged I/O, so a long sequential read still spreads over the
+            queue.
+        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
+
+    Example::
+
+        store = BlockSCMStore("/mnt/nvme0/run1", "t_big", RowLayout(100_000_000, 64, 1))
+        rows = store.read_rows(np.random.randint(0, 100_000_000, 4096))
+    """
+
+    name: ClassVar[str] = "block_scm"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        table: str,
+        layout: RowLayout,
+        *,
+        mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+        block_size: int = 4096,
+        queue_depth: int = 32,
+        direct: bool = True,
+        engine: IOEngineKind | str = IOEngineKind.AUTO,
+        max_io_bytes: int = 1 << 20,
+        max_pass_bytes: int = 64 << 20,
+    ) -> None:
+        if block_size < 512 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 512, got {block_size}")
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        if max_io_bytes < block_size:
+            raise ValueError(f"max_io_bytes ({max_io_bytes}) must be >= block_size ({block_size})")
+        engine_kind = IOEngineKind(engine)
+        super().__init__(directory, table, layout, mode=mode)
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self._max_io_blocks = max_io_bytes // block_size
+        self._max_pass_blocks = max(1, max_pass_bytes // block_size)
+        # The header block(s) must end on a block boundary so data I/O never touches them; an
+        # existing file made with a smaller block size is usable when its offset is aligned.
+        self._prepare_file(
+            max(DATA_OFFSET, block_size),
+            self._file_bytes(max(DATA_OFFSET, block_size)),
+            accept_data_offset=lambda offset: offset % block_size == 0,
+        )
+        self._fd, self.direct = self._open(direct)
+        try:
+            self._extend_to_whole_blocks()
+            self._engine = make_engine(engine_kind, queue_depth, self.direct)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
+        self._buffers = BufferPool()
+
+    # ------------------------------------------------------------------------------ opening
+
+    def _file_bytes(self, data_offset: int) -> int:
+        bs = self.block_size
+        return data_offset + -(-self.layout.total_bytes // bs) * bs
+
+    def _open(self, direct: bool) -> tuple[int, bool]:
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if direct and _O_DIRECT:
+            try:
+                fd = os.open(self.path, flags | _O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise self._os_error(e, "opening") from e
+                warn_once(
+                    "odirect",
+                    "%s: the file system refuses O_DIRECT; block_scm uses buffered I/O (the "
+                    "page cache now sits in front of the device)",
+                    self.directory,
+                )
+            else:
+                if self._direct_io_works(fd):
+                    return fd, True
+                os.close(fd)
+                warn_once(
+                    "odirect-align",
+                    "%s: O_DIRECT I/O of %d-byte blocks fails (the device needs larger "
+                    "alignment); block_scm uses buffered I/O",
+                    self.directory,
+                    self.block_size,
+                )
+        try:
+            return os.open(self.path, flags), False
+        except OSError as e:
+            raise self._os_error(e, "opening") from e
+
+    def _direct_io_works(self, fd: int) -> bool:
+        """Probes one block-sized, block-aligned read: some file systems accept O_DIRECT at
+        open and only refuse misaligned I/O later (e.g. 512-byte blocks on a 4Kn device)."""
+        bs = self.block_size
+        buf = AlignedBuffer(2 * max(bs, 4096))
+        pos = bs if bs < 4096 else 0  # aligned to bs but not to a page, like our buffers
+        try:
+            os.preadv(fd, [buf.view[pos : pos + bs]], self.data_offset)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise self._os_error(e, "reading") from e
+        return True
+
+    def _extend_to_whole_blocks(self) -> None:
+        # Every I/O moves whole blocks, so the last one must lie inside the file; a file made
+        # with a smaller block size may end mid-block and gets zero padding appended.
+        needed = self._file_bytes(self.data_offset)
+        try:
+            if os.fstat(self._fd).st_size < needed:
+                os.posix_fallocate(self._fd, 0, needed)
+        except OSError as e:
+            raise self._os_error(e, "extending to whole blocks") from e
+
+    # --------------------------------------------------------------------------------- I/O
+
+    def _split(self, ids: IdArray) -> tuple[IdArray | None, list[slice]]:
+        """Plans passes of at most ``max_pass_bytes`` of blocks each.
+
+        Returns ``(order, passes)``: the passes are slices of ``ids[order]`` (sorted, so that
+        consecutive rows share blocks within a pass and passes share at most a boundary block),
+        or of ``ids`` itself when ``order`` is ``None`` (everything fits one pass)."""
+        bs, row_bytes, n = self.block_size, self.layout.row_bytes, ids.size
+        starts = self.data_offset + ids * row_bytes
+        first, last = starts // bs, (starts + row_bytes - 1) // bs
+        if int((last - first).sum()) + n <= self._max_pass_blocks:
+            return None, [slice(0, n)]
+        order = np.argsort(ids, kind="stable")
+        first, last = first[order], last[order]
+        # Blocks each sorted row adds beyond those of the rows before it.
+        prev_last = np.concatenate(([-1], np.maximum.accumulate(last)[:-1]))
+        added = np.maximum(last - np.maximum(first, prev_last + 1) + 1, 0)
+        total = np.cumsum(added)
+        budget = self._max_pass_blocks
+        cuts = np.searchsorted(total, np.arange(budget, int(total[-1]), budget), side="right")
+        bounds = np.unique(np.concatenate(([0], cuts, [n]))).tolist()
+        return order, [slice(a, b) for a, b in pairwise(bounds)]
+
+    def _geometry(self, ids: IdArray, with_coverage: bool) -> _Geometry:
+        bs, row_bytes = self.block_size, self.layout.row_bytes
+        starts = self.data_offset + ids * row_bytes
+        first = starts // bs
+        span = (starts + row_bytes - 1) // bs - first + 1
+        if int(span.max()) == 1:
+            covering, row_start = first, starts
+        else:  # (row, block) pairs for rows straddling blocks
+            within = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+            covering = np.repeat(first, span) + within
+            row_start = np.repeat(starts, span)
+        blocks = np.unique(covering)
+        buf_pos = np.searchsorted(blocks, first) * bs + starts % bs
+        coverage = None
+        if with_coverage:
+            block_start = covering * bs
+            overlap = np.minimum(row_start + row_bytes, block_start + bs) - np.maximum(
+                row_start, block_start
+            )
+            coverage = np.bincount(
+                np.searchsorted(blocks, covering), weights=overlap, minlength=blocks.size
+            ).astype(np.int64)
+        return _Geometry(blocks, buf_pos.astype(np.int64), coverage)
+
+    def _element_index(self, buf_pos: I64Array) -> I64Array:
+        itemsize = self.layout.dtype.itemsize
+        return (buf_pos // itemsize)[:, None] + np.arange(self.layout.row_width, dtype=np.int64)
+
+    def _io(self, write: bool, buf: AlignedBuffer, index: I64Array, blocks: I64Array) -> int:
+        """Moves ``blocks`` (sorted, unique; ``index`` their slots in ``buf``, consecutive where
+        the blocks are) between the file and the buffer in merged runs."""
+        run_start, run_len = _runs(blocks, self._max_io_blocks)
+        bs = self.block_size
+        try:
+            return self._engine.run(
+                self._fd,
+                write,
+                buf,
+                index[run_start] * bs,
+                blocks[run_start] * bs,
+                run_len * bs,
+            )
+        except OSError as e:
+            raise self._os_error(e, "writing blocks" if write else "reading blocks") from e
+
+    def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
+        order, passes = self._split(ids)
+        if order is not None:
+            ids = ids[order]
+        moved = calls = 0
+        for part in passes:
+            geo = self._geometry(ids[part], with_coverage=False)
+            nbytes = geo.blocks.size * self.block_size
+            buf = self._buffers.take(nbytes)
+            try:
+                calls += self._io(False, buf, np.arange(geo.blocks.size), geo.blocks)
+                elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
+                out[part if order is None else order[part]] = elements[
+                    self._element_index(geo.buf_pos)
+                ]
+            finally:
+                self._buffers.give(buf)
+            moved += nbytes
+        return moved, calls
+
+    def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
+        order, passes = self._split(ids)
+        if order is not None:
+            ids, rows = ids[order], rows[order]
+        bs = self.block_size
+        moved = calls = read_back = 0
+        for part in passes:
+            geo = self._geometry(ids[part], with_coverage=True)
+            assert geo.coverage is not None
+            nbytes = geo.blocks.size * bs
+            buf = self._buffers.take(nbytes)
+            try:
+                partial = np.flatnonzero(geo.coverage < bs)
+                if partial.size:  # blocks holding bytes of other rows: read them first
+                    calls += self._io(False, buf, partial, geo.blocks[partial])
+                    read_back += partial.size * bs
+                elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
+                elements[self._element_index(geo.buf_pos)] = rows[part]
+                calls += self._io(True, buf, np.arange(geo.blocks.size), geo.blocks)
+            finally:
+                self._buffers.give(buf)
+            moved += nbytes
+        if read_back:
+            self._count(bytes_read=read_back)
+        return moved, calls
+
+    def _flush(self) -> int:
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            raise self._os_error(e, "syncing") from e
+        return 1
+
+    def _close(self) -> None:
+        self._engine.close()
+        os.close(self._fd)
