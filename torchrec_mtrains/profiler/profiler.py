@@ -92,7 +92,7 @@ class ProfilerConfig:
     top_k: int = 1024
     hit_rate_method: HitRateMethod = HitRateMethod.EXACT
     shards_rate: float = 0.1
-    shards_hot_rows: int = 1024
+    shards_hot_rows: int = 256
     shards_warmup_batches: int = 8
     curve_points: int = 256
     skew_points: int = 128
