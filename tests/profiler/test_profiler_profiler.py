@@ -211,3 +211,13 @@ def test_shards_profile_tracks_the_exact_one() -> None:
     # Fewer profiled batches than the SHARDS warm-up still give a curve.
     short = profile_batches(batches[:3], tables, 1.0, 0, batch_size=256, config=cfg)["z"]
     assert 0.0 <= short.max_hit_rate < 1.0 and short.hit_rate(0) == 0.0
+
+
+def test_a_rejected_batch_leaves_no_partial_statistics() -> None:
+    profiler = Profiler(TABLES, FEATURES, ALL, batch_size=1)
+    profiler.observe({"t0": [1, 2], "t1": [3]})
+    with pytest.raises(ValueError, match="table 't1'"):
+        profiler.observe({"t0": [7, 7, 7], "t1": [50]})
+    profile = profiler.finish()
+    assert profile.batches_profiled == 1
+    assert profile["t0"].hot_rows == (1, 2) and profile["t0"].accesses_per_sample == 2.0
