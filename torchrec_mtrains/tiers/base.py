@@ -159,7 +159,7 @@ class FileHeader:
         ]
         if diffs:
             raise HeaderMismatchError(
-                f"{path}: file was made for another table shape: " + "; ".join(diffs)
+                f"{path}: file was made for another table, dtype or tier: " + "; ".join(diffs)
             )
 
 

@@ -132,6 +132,9 @@ class BlockSCMStore(RowStore):
         try:
             self._extend_to_whole_blocks()
             self._engine = make_engine(engine_kind, queue_depth, self.direct)
+        except OSError as e:
+            os.close(self._fd)
+            raise self._os_error(e, f"setting up the {engine_kind.value} I/O engine") from e
         except BaseException:
             os.close(self._fd)
             raise
