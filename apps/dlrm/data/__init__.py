@@ -56,7 +56,7 @@ def _allowed() -> str:
     return ", ".join(repr(k) for k in CONFIG_KINDS)
 
 
-def to_data_config(cfg_like: DataConfig | Mapping[str, Any] | DictConfig) -> DataConfig:
+def to_data_config(cfg_like: DataConfig | Mapping[Any, Any] | DictConfig) -> DataConfig:
     """Turns a config dataclass, a Hydra/OmegaConf node or a plain mapping into a dataclass.
 
     Raises:
@@ -65,8 +65,12 @@ def to_data_config(cfg_like: DataConfig | Mapping[str, Any] | DictConfig) -> Dat
     if is_dataclass(cfg_like) and not isinstance(cfg_like, type):
         kind = getattr(cfg_like, "kind", None)
         schema = CONFIG_KINDS.get(kind) if isinstance(kind, str) else None
-        if schema is None or not isinstance(cfg_like, schema):
+        if schema is None:
             raise ValueError(f"data kind {kind!r} is not one of {_allowed()}")
+        if not isinstance(cfg_like, schema):
+            raise ValueError(
+                f"{type(cfg_like).__name__} has kind {kind!r}, which needs a {schema.__name__}"
+            )
         return cfg_like
     if isinstance(cfg_like, DictConfig):
         container = OmegaConf.to_container(cfg_like, resolve=True)
@@ -91,7 +95,7 @@ def to_data_config(cfg_like: DataConfig | Mapping[str, Any] | DictConfig) -> Dat
 
 
 def build_dataloader(
-    cfg_like: DataConfig | Mapping[str, Any] | DictConfig,
+    cfg_like: DataConfig | Mapping[Any, Any] | DictConfig,
     rank: int = 0,
     world_size: int = 1,
     *,

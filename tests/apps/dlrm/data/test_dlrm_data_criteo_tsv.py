@@ -72,6 +72,14 @@ def test_parses_values_and_fills_empty_fields(tmp_path: Path) -> None:
         assert int(values.min()) >= 0 and int(values.max()) < SIZES[t]
 
 
+def test_hashes_wider_than_64_bits_reduce_exactly(tmp_path: Path) -> None:
+    wide = "f" * 20
+    path = _write(tmp_path / "day_0", [_line(0, ["1"] * 13, [wide] * 26)])
+    kjt = next(iter(CriteoTsvDataset(_config([path])))).sparse_features
+    expected = [(16**20 - 1) % n for n in SIZES]
+    assert kjt.values().tolist() == expected
+
+
 def test_batches_files_and_globs_in_order(tmp_path: Path) -> None:
     _write(tmp_path / "day_1", [_row(i) for i in range(5, 9)])
     _write(tmp_path / "day_0", [_row(i) for i in range(5)])

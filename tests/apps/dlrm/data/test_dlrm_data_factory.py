@@ -60,6 +60,8 @@ def test_bad_kind_lists_the_allowed_kinds() -> None:
         build_dataloader({"kind": "parquet"}, 0, 1)
     with pytest.raises(ValueError, match="not one of"):
         build_dataloader({"batch_size": 4}, 0, 1)
+    with pytest.raises(ValueError, match="needs a SyntheticDataConfig"):
+        build_dataloader(CriteoTsvDataConfig(kind="synthetic"), 0, 1)
     with pytest.raises(ValueError, match=r"unknown fields .*'batchsize'"):
         build_dataloader({"kind": "synthetic", "batchsize": 4}, 0, 1)
 
