@@ -6,10 +6,11 @@ import errno
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from torchrec_mtrains.tiers import TIERS, FileHeader, HeaderMismatchError, open_store, register_tier
-from torchrec_mtrains.tiers.base import os_error
+from torchrec_mtrains.tiers.base import contiguous_start, os_error
 from torchrec_mtrains.tiers.dram import DramStore
 from torchrec_mtrains.types import RowLayout, StorageDType
 
@@ -79,3 +80,15 @@ def test_os_errors_say_what_happened(tmp_path: Path) -> None:
     assert str(os_error(path, OSError(errno.EIO, "I/O error"), "reading")).endswith(
         "reading failed: I/O error"
     )
+
+
+def test_contiguous_start_detects_ranges_only() -> None:
+    def ids(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    assert contiguous_start(ids(4, 5, 6)) == 4
+    assert contiguous_start(ids(9)) == 9
+    assert contiguous_start(ids()) is None
+    assert contiguous_start(ids(4, 6, 6)) is None  # same span, not a range
+    assert contiguous_start(ids(6, 5, 4)) is None
+    assert contiguous_start(ids(1, 3, 2)) is None

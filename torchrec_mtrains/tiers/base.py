@@ -482,6 +482,17 @@ class RowStore(ABC):
         return header
 
 
+def contiguous_start(ids: IdArray) -> int | None:
+    """``ids[0]`` when ``ids`` are consecutive ascending (a range), else ``None``: tiers then
+    copy a slice instead of gathering row by row, which is what checkpoints and fills do."""
+    if ids.size == 0:
+        return None
+    first = int(ids[0])
+    if int(ids[-1]) - first != ids.size - 1 or (ids.size > 1 and not (np.diff(ids) == 1).all()):
+        return None
+    return first
+
+
 def check_table_name(table: str) -> None:
     """Refuses names that would place a file outside the store's directory."""
     if not table or "/" in table or "\0" in table or table in (".", "..") or os.sep in table:

@@ -15,9 +15,10 @@ import errno
 import os
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
     AlignedBuffer,
@@ -49,6 +50,9 @@ class _Geometry:
     blocks: I64Array
     buf_pos: I64Array
     coverage: I64Array | None  # bytes of each block the rows cover (writes only)
+
+
+_RowsView = tuple[npt.NDArray[Any], I64Array | None]
 
 
 def _runs(blocks: I64Array, max_len: int) -> tuple[I64Array, I64Array]:
@@ -208,14 +212,16 @@ class BlockSCMStore(RowStore):
 
         Returns ``(order, passes)``: the passes are slices of ``ids[order]`` (sorted, so that
         consecutive rows share blocks within a pass and passes share at most a boundary block),
-        or of ``ids`` itself when ``order`` is ``None`` (everything fits one pass)."""
+        or of ``ids`` itself when ``order`` is ``None`` (one pass, or already sorted)."""
         bs, row_bytes, n = self.block_size, self.layout.row_bytes, ids.size
         starts = self.data_offset + ids * row_bytes
         first, last = starts // bs, (starts + row_bytes - 1) // bs
         if int((last - first).sum()) + n <= self._max_pass_blocks:
             return None, [slice(0, n)]
-        order = np.argsort(ids, kind="stable")
-        first, last = first[order], last[order]
+        order: IdArray | None = None
+        if ids.size > 1 and not (np.diff(ids) >= 0).all():
+            order = np.argsort(ids, kind="stable")
+            first, last = first[order], last[order]
         # Blocks each sorted row adds beyond those of the rows before it.
         prev_last = np.concatenate(([-1], np.maximum.accumulate(last)[:-1]))
         added = np.maximum(last - np.maximum(first, prev_last + 1) + 1, 0)
@@ -249,9 +255,18 @@ class BlockSCMStore(RowStore):
             ).astype(np.int64)
         return _Geometry(blocks, buf_pos.astype(np.int64), coverage)
 
-    def _element_index(self, buf_pos: I64Array) -> I64Array:
-        itemsize = self.layout.dtype.itemsize
-        return (buf_pos // itemsize)[:, None] + np.arange(self.layout.row_width, dtype=np.int64)
+    def _rows_in(self, buf: AlignedBuffer, nbytes: int, buf_pos: I64Array) -> _RowsView:
+        """The rows at ``buf_pos`` in the buffer: a plain view when they lie back to back (a
+        range of ids), else an element index to gather or scatter through."""
+        elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
+        itemsize, width = self.layout.dtype.itemsize, self.layout.row_width
+        n = buf_pos.size
+        first = int(buf_pos[0]) // itemsize
+        if int(buf_pos[-1]) - int(buf_pos[0]) == (n - 1) * self.layout.row_bytes and (
+            n == 1 or (np.diff(buf_pos) == self.layout.row_bytes).all()
+        ):
+            return elements[first : first + n * width].reshape(n, width), None
+        return elements, (buf_pos // itemsize)[:, None] + np.arange(width, dtype=np.int64)
 
     def _io(self, write: bool, buf: AlignedBuffer, index: I64Array, blocks: I64Array) -> int:
         """Moves ``blocks`` (sorted, unique; ``index`` their slots in ``buf``, consecutive where
@@ -281,10 +296,10 @@ class BlockSCMStore(RowStore):
             buf = self._buffers.take(nbytes)
             try:
                 calls += self._io(False, buf, np.arange(geo.blocks.size), geo.blocks)
-                elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
-                out[part if order is None else order[part]] = elements[
-                    self._element_index(geo.buf_pos)
-                ]
+                elements, index = self._rows_in(buf, nbytes, geo.buf_pos)
+                out[part if order is None else order[part]] = (
+                    elements if index is None else elements[index]
+                )
             finally:
                 self._buffers.give(buf)
             moved += nbytes
@@ -306,8 +321,11 @@ class BlockSCMStore(RowStore):
                 if partial.size:  # blocks holding bytes of other rows: read them first
                     calls += self._io(False, buf, partial, geo.blocks[partial])
                     read_back += partial.size * bs
-                elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
-                elements[self._element_index(geo.buf_pos)] = rows[part]
+                elements, index = self._rows_in(buf, nbytes, geo.buf_pos)
+                if index is None:
+                    elements[...] = rows[part]
+                else:
+                    elements[index] = rows[part]
                 calls += self._io(True, buf, np.arange(geo.blocks.size), geo.blocks)
             finally:
                 self._buffers.give(buf)

@@ -20,6 +20,7 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
+    contiguous_start,
     register_tier,
 )
 from torchrec_mtrains.types import RowLayout
@@ -97,14 +98,21 @@ class DramStore(RowStore):
             pos += n
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        if self._rows.dtype == out.dtype:
+        start = contiguous_start(ids)
+        if start is not None:
+            out[...] = self._rows[start : start + ids.size]
+        elif self._rows.dtype == out.dtype:
             np.take(self._rows, ids, axis=0, out=out)
         else:
             out[...] = self._rows[ids]
         return ids.size * self.layout.row_bytes, 0
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        self._rows[ids] = rows
+        start = contiguous_start(ids)
+        if start is not None:
+            self._rows[start : start + ids.size] = rows
+        else:
+            self._rows[ids] = rows
         self._dirty[ids // self._chunk_rows] = True
         return ids.size * self.layout.row_bytes, 0
 
