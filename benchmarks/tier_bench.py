@@ -1,0 +1,192 @@
+"""Random-row read/write rates of every storage tier, against fio on the same file system.
+
+For each tier a table of ``--rows`` x ``--dim`` is created under ``--dir``, filled sequentially
+(so reads hit written blocks, not unwritten extents the file system answers with zeros), then
+read and written in batches of ``--batch`` random rows for ``--seconds`` each. fio measures the
+device's random 4 KiB read IOPS at queue depth 32 (libaio, O_DIRECT) just before and just
+after the block tier's read phase (the mean is the reference: cloud disks drift), and the block
+tier's efficiency is its random single-row reads/s over that IOPS (target: >= 70%).
+
+Example::
+
+    python benchmarks/tier_bench.py --dir /tmp --rows 16777216 --dim 64 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store
+from torchrec_mtrains.types import RowLayout
+
+TARGET = 0.70
+FILL_BYTES = 64 << 20  # rows per write_range call during the sequential fill
+
+
+def run_fio(directory: Path, seconds: int, size: str) -> dict[str, float] | None:
+    """Random 4 KiB reads at QD32 through libaio with O_DIRECT; ``None`` if fio is absent."""
+    if shutil.which("fio") is None:
+        return None
+    target = directory / "fiofile"
+    cmd = [
+        "fio", "--name=r", "--rw=randread", "--bs=4k", "--iodepth=32", "--ioengine=libaio",
+        "--direct=1", f"--size={size}", f"--runtime={seconds}", "--time_based",
+        f"--filename={target}", "--output-format=json",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    finally:
+        target.unlink(missing_ok=True)
+    job = json.loads(done.stdout)["jobs"][0]["read"]
+    return {"iops": float(job["iops"]), "lat_us": float(job["lat_ns"]["mean"]) / 1000}
+
+
+def timed(seconds: float, step: Any) -> tuple[int, float]:
+    """Calls ``step()`` (returning rows handled) until ``seconds`` of its own time passed."""
+    rows, spent = 0, 0.0
+    while spent < seconds:
+        t0 = time.perf_counter()
+        rows += step()
+        spent += time.perf_counter() - t0
+    return rows, spent
+
+
+def fill(store: RowStore, rng: np.random.Generator) -> float:
+    """Writes every row once, sequentially; returns MB/s."""
+    layout = store.layout
+    chunk = max(1, FILL_BYTES // layout.row_bytes)
+    block = rng.standard_normal((chunk, layout.row_width)).astype(np.float32)
+    t0 = time.perf_counter()
+    for start in range(0, layout.num_rows, chunk):
+        count = min(chunk, layout.num_rows - start)
+        store.write_range(start, block[:count])
+    store.flush()
+    return layout.total_bytes / (time.perf_counter() - t0) / 1e6
+
+
+def bench_tier(
+    tier: str, directory: Path, args: argparse.Namespace, fio: dict[str, Any]
+) -> dict[str, Any]:
+    layout = RowLayout(args.rows, args.dim, 0, args.dtype)
+    options: dict[str, Any] = {"mode": OpenMode.TRUNCATE}
+    if tier == "block_scm":
+        options["queue_depth"] = args.queue_depth
+    rng = np.random.default_rng(0)
+    store = open_store(tier, directory, "bench", layout, **options)
+    result: dict[str, Any] = {"file_gib": layout.total_bytes / 2**30}
+    try:
+        result["seq_fill_mb_s"] = fill(store, rng)
+        if tier == "block_scm" and args.fio:
+            fio["before"] = run_fio(directory, args.fio_seconds, args.fio_size)
+        before = store.stats.as_dict()
+
+        def read_step() -> int:
+            return int(store.read_rows(rng.integers(0, args.rows, args.batch)).shape[0])
+
+        n, spent = timed(args.seconds, read_step)
+        after = store.stats.as_dict()
+        result["read_rows_s"] = n / spent
+        result["read_mb_s"] = n * layout.row_bytes / spent / 1e6
+        result["read_medium_mb_s"] = (after["bytes_read"] - before["bytes_read"]) / spent / 1e6
+        if tier == "block_scm" and args.fio:
+            fio["after"] = run_fio(directory, args.fio_seconds, args.fio_size)
+        rows = rng.standard_normal((args.batch, layout.row_width)).astype(np.float32)
+
+        def write_step() -> int:
+            ids = np.unique(rng.integers(0, args.rows, args.batch))
+            store.write_rows(ids, rows[: ids.size])
+            return int(ids.size)
+
+        n, spent = timed(args.seconds, write_step)
+        t0 = time.perf_counter()
+        store.flush()
+        spent += time.perf_counter() - t0
+        result["write_rows_s"] = n / spent
+        result["write_mb_s"] = n * layout.row_bytes / spent / 1e6
+        if tier == "block_scm":
+            result["direct_io"] = store.direct  # type: ignore[attr-defined]
+            result["engine"] = store.engine  # type: ignore[attr-defined]
+        result["stats"] = store.stats.as_dict()
+    finally:
+        store.close()
+        store.path.unlink(missing_ok=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--rows", type=int, default=1 << 24, help="rows per table (4 GiB at 64)")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--tiers", nargs="+", default=sorted(TIERS), choices=sorted(TIERS))
+    parser.add_argument("--fio-seconds", type=int, default=10)
+    parser.add_argument("--fio-size", default="2G")
+    parser.add_argument("--no-fio", dest="fio", action="store_false")
+    parser.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="tier_bench_", dir=args.dir))
+    if args.fio and shutil.which("fio") is None:
+        print("fio not found: install it with `apt-get install -y fio`; skipping the ratio")
+        args.fio = False
+    fio: dict[str, Any] = {}
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "tiers": {}}
+    try:
+        for tier in args.tiers:
+            print(f"[{tier}] {args.rows} rows x {args.dim} {args.dtype} ...", flush=True)
+            r = bench_tier(tier, work, args, fio)
+            results["tiers"][tier] = r
+            note = ""
+            if tier == "block_scm" and not r["direct_io"]:
+                note = "  (buffered fallback: the page cache may inflate these numbers)"
+            elif tier != "block_scm":
+                note = "  (served from memory / the page cache)"
+            print(
+                f"  fill {r['seq_fill_mb_s']:8.0f} MB/s | random read {r['read_rows_s']:10.0f} "
+                f"rows/s {r['read_mb_s']:8.1f} MB/s | random write {r['write_rows_s']:10.0f} "
+                f"rows/s {r['write_mb_s']:8.1f} MB/s{note}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    if fio.get("before") and fio.get("after"):
+        iops = (fio["before"]["iops"] + fio["after"]["iops"]) / 2
+        block = results["tiers"]["block_scm"]
+        ratio = block["read_rows_s"] / iops
+        results["fio"] = {**fio, "iops_mean": iops}
+        results["block_efficiency"] = ratio
+        results["block_efficiency_target"] = TARGET
+        print(
+            f"fio randread 4k QD32 libaio direct: {fio['before']['iops']:.0f} IOPS before, "
+            f"{fio['after']['iops']:.0f} after (mean {iops:.0f})"
+        )
+        print(
+            f"block_scm random single-row reads: {block['read_rows_s']:.0f} rows/s "
+            f"(engine {block['engine']}, O_DIRECT {block['direct_io']}, "
+            f"QD {args.queue_depth})"
+        )
+        verdict = "meets" if ratio >= TARGET else "MISSES"
+        print(f"block_scm efficiency: {ratio:.1%} of fio IOPS ({verdict} the {TARGET:.0%} target)")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
