@@ -1,0 +1,135 @@
+"""torchx components that launch the tiered-embedding DLRM app.
+
+Registered under the ``torchx.components`` entry point as ``mtrains``, so from the repository
+root::
+
+    torchx run -s local_cwd mtrains.dlrm run.steps=100 planner.dram_budget=16MB
+    torchx run -s local_cwd mtrains.dlrm --help
+
+Typing note: torchx 0.7's component linter reads the annotations from the source and accepts only
+``typing.Optional`` / ``typing.Dict`` / ``typing.List``, not PEP 604/585 spellings, and the CLI
+needs real (not postponed) annotations, so this module keeps the old spellings on purpose.
+"""
+
+# ruff: noqa: UP006, UP035, UP045
+
+import re
+from typing import Dict, List, Optional
+
+import torchx
+from torchx import specs
+from torchx.components.dist import ddp
+
+APP_MODULE = "apps.dlrm.train"
+
+# Hydra's command-line flags that take a value in the next argument.
+_HYDRA_FLAGS_WITH_VALUE = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp"}
+)
+_HYDRA_FLAGS_WITH_VALUE |= {"--config-name", "-cn", "--config-dir", "-cd"}
+# Sweeps would start one Hydra multirun per rank, each forming its own job: not a DDP launch.
+_REJECTED_FLAGS = frozenset({"--multirun", "-m"})
+_OVERRIDE = re.compile(r"^(~|\+\+|\+)?[A-Za-z_@][\w.@/\-]*(=.*)?$", re.DOTALL)
+_NAME = re.compile(r"^[A-Za-z0-9_\-]*(/[A-Za-z0-9_\-]*)?$")
+
+
+def _check_overrides(overrides: List[str]) -> None:
+    expect_value = False
+    for arg in overrides:
+        if expect_value:
+            expect_value = False
+            continue
+        if arg in _REJECTED_FLAGS:
+            raise ValueError(
+                f"script_args: {arg!r} (Hydra multirun) is not supported under a distributed "
+                "launch; submit one job per configuration instead"
+            )
+        if arg.startswith("-"):
+            expect_value = arg in _HYDRA_FLAGS_WITH_VALUE
+            continue
+        is_override = "=" in arg or arg.startswith("~")
+        if not (is_override and _OVERRIDE.match(arg)):
+            raise ValueError(
+                f"script_args: {arg!r} is not a Hydra override; write key=value "
+                "(e.g. run.steps=100, hardware=local, model.num_embeddings_per_feature=[...])"
+            )
+
+
+def _has_override(overrides: List[str], key: str) -> bool:
+    return any(re.match(rf"^(\+\+|\+)?{re.escape(key)}=", arg) for arg in overrides)
+
+
+def dlrm(
+    *script_args: str,
+    nnodes: int = 1,
+    nproc_per_node: int = 2,
+    name: str = "dlrm",
+    image: str = torchx.IMAGE,
+    cpu: int = 2,
+    memMB: int = 8192,
+    h: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    max_retries: int = 0,
+    rdzv_port: int = 29500,
+    debug: bool = False,
+) -> specs.AppDef:
+    """Trains the DLRM app (python -m apps.dlrm.train) with its large tables on storage tiers.
+
+    Every rank runs the Hydra app with the same overrides; ranks join a gloo group through
+    torchrun. Without a run.dir override all ranks write to runs/<app id>.
+
+    Args:
+        script_args: Hydra overrides for the app, e.g. run.steps=100 planner.dram_budget=16MB
+        nnodes: number of nodes (hosts)
+        nproc_per_node: number of training processes (ranks) on each node
+        name: job name, {experimentname}/{runname} or {runname}
+        image: image to run in (the working directory for the local_cwd scheduler)
+        cpu: number of CPUs per node
+        memMB: host memory per node in MB
+        h: a registered named resource (takes precedence over cpu and memMB)
+        env: extra environment variables, e.g. OMP_NUM_THREADS=1,LOGLEVEL=INFO
+        max_retries: the number of scheduler retries allowed
+        rdzv_port: port on the rank 0 host for the c10d rendezvous (multi-node only)
+        debug: whether to run with torch's distributed debug flags enabled
+
+    Returns:
+        specs.AppDef: one role of nnodes replicas, each a torchrun of nproc_per_node ranks.
+
+    Raises:
+        ValueError: an argument is out of range or a script argument is not a Hydra override.
+    """
+    if nnodes < 1:
+        raise ValueError(f"nnodes={nnodes}: must be at least 1")
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node={nproc_per_node}: must be at least 1")
+    if not name or not _NAME.match(name):
+        raise ValueError(
+            f"name={name!r}: use letters, digits, '-' and '_', optionally as experiment/run"
+        )
+    if cpu < 1:
+        raise ValueError(f"cpu={cpu}: must be at least 1")
+    if memMB < 1:
+        raise ValueError(f"memMB={memMB}: must be at least 1")
+    if max_retries < 0:
+        raise ValueError(f"max_retries={max_retries}: must be 0 or more")
+    if not 0 < rdzv_port < 65536:
+        raise ValueError(f"rdzv_port={rdzv_port}: must be a TCP port in 1..65535")
+    overrides = list(script_args)
+    _check_overrides(overrides)
+    if not _has_override(overrides, "run.dir"):
+        # Each rank composes its own config; a timestamped default could differ between them.
+        overrides.append(f"run.dir=runs/{specs.macros.app_id}")
+    return ddp(
+        *overrides,
+        m=APP_MODULE,
+        image=image,
+        name=name,
+        h=h,
+        cpu=cpu,
+        memMB=memMB,
+        j=f"{nnodes}x{nproc_per_node}",
+        env=dict(env) if env else {},
+        max_retries=max_retries,
+        rdzv_port=rdzv_port,
+        debug=debug,
+    )
