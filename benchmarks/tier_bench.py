@@ -81,6 +81,7 @@ def bench_tier(
     options: dict[str, Any] = {"mode": OpenMode.TRUNCATE}
     if tier == "block_scm":
         options["queue_depth"] = args.queue_depth
+        options["engine"] = args.engine
     rng = np.random.default_rng(0)
     store = open_store(tier, directory, "bench", layout, **options)
     result: dict[str, Any] = {"file_gib": layout.total_bytes / 2**30}
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--engine", choices=["auto", "aio", "threads"], default="auto")
     parser.add_argument("--tiers", nargs="+", default=sorted(TIERS), choices=sorted(TIERS))
     parser.add_argument("--fio-seconds", type=int, default=10)
     parser.add_argument("--fio-size", default="2G")

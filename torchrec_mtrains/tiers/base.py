@@ -295,7 +295,10 @@ class RowStore(ABC):
         self._count(io_calls=calls)
 
     def close(self) -> None:
-        """Flushes and releases the store; further use raises. Closing twice is a no-op."""
+        """Flushes and releases the store; further use raises. Closing twice is a no-op.
+
+        If the flush fails the store stays open, so no written row is silently dropped: fix
+        the cause (e.g. free space) and close again."""
         if self._closed:
             return
         self.flush()
