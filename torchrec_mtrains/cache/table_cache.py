@@ -105,11 +105,15 @@ class TableCache:
         loads and evictions had happened. The caller must carry them out before using the
         slots (write back dirty victims, then load)."""
         ids = ids.to(torch.int64)
-        self._step += 1
         slots = self.id_to_slot[ids].to(torch.int64)
         hit = slots >= 0
         miss_ids = ids[~hit]
         n_miss = int(miss_ids.numel())
+        # Refuse before touching anything (maps, policy, counters): the batch never happened.
+        error = self._capacity_error(ids, slots, hit)
+        if error is not None:
+            raise error
+        self._step += 1
         if count_stats:
             self.stats.lookups += int(ids.numel())
             self.stats.misses += n_miss
@@ -119,20 +123,9 @@ class TableCache:
             self.policy.on_access(slots, self._step)
             return CachePlan(slots, empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
 
-        reserved = self.pinned | (self.holds > 0)
-        protected = reserved.clone()
+        protected = self.pinned | (self.holds > 0)
         protected[slots[hit]] = True
         free = torch.nonzero(self.slot_to_id < 0).flatten()
-        available = int(free.numel()) + int((~protected & (self.slot_to_id >= 0)).sum())
-        if n_miss > available:
-            reserved[slots[hit]] = False  # rows of this batch count once, below
-            others = int(reserved.sum())
-            raise CacheTooSmallError(
-                f"table {self.table!r}: cache of {self.num_slots} rows cannot hold this batch: "
-                f"it needs {int(ids.numel())} unique rows at once while {others} slots are "
-                f"pinned or held by batches in flight; a cache of at least "
-                f"{int(ids.numel()) + others} rows is needed"
-            )
         load_slots = free[:n_miss]
         n_evict = n_miss - int(load_slots.numel())
         if n_evict > 0:
@@ -156,6 +149,38 @@ class TableCache:
             self.stats.evictions += int(victims.numel())
             self.stats.writebacks += int(evict_dirty.sum())
         return CachePlan(slots, miss_ids, load_slots, evict_ids, victims, evict_dirty)
+
+    def check_fits(self, ids: torch.Tensor) -> None:
+        """Raises :class:`CacheTooSmallError` if :meth:`plan` would refuse the unique row ids
+        ``ids``; changes nothing. Lets a caller check every table before planning any."""
+        ids = ids.to(torch.int64)
+        slots = self.id_to_slot[ids].to(torch.int64)
+        error = self._capacity_error(ids, slots, slots >= 0)
+        if error is not None:
+            raise error
+
+    def _capacity_error(
+        self, ids: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor
+    ) -> CacheTooSmallError | None:
+        """The error :meth:`plan` raises when the misses of ``ids`` cannot all get a slot."""
+        n_miss = int(ids.numel()) - int(hit.sum())
+        if n_miss == 0:
+            return None
+        reserved = self.pinned | (self.holds > 0)
+        protected = reserved.clone()
+        protected[slots[hit]] = True
+        free = int((self.slot_to_id < 0).sum())
+        available = free + int((~protected & (self.slot_to_id >= 0)).sum())
+        if n_miss <= available:
+            return None
+        reserved[slots[hit]] = False  # rows of this batch count once, below
+        others = int(reserved.sum())
+        return CacheTooSmallError(
+            f"table {self.table!r}: cache of {self.num_slots} rows cannot hold this batch: "
+            f"it needs {int(ids.numel())} unique rows at once while {others} slots are "
+            f"pinned or held by batches in flight; a cache of at least "
+            f"{int(ids.numel()) + others} rows is needed"
+        )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids``, -1 where not resident. Does not touch the policy."""

@@ -84,6 +84,33 @@ def _rank(pg: dist.ProcessGroup | None) -> int:
     return 0
 
 
+class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
+    """TorchRec's fused optimizer over state tensors that view the tiers.
+
+    The cache holds the newest optimizer state of its rows, so reading the state (TorchRec's
+    ``CombinedOptimizer.state_dict()`` reads ``state`` of each optimizer) first writes dirty
+    cached rows back, and loading a state dict (copied into the tier views in place) re-reads
+    the state of every cached row from the tier. Otherwise a save would miss recent updates and
+    a load would be undone by stale cached rows."""
+
+    def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
+        self._tiers = tiers
+        super().__init__(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        self._tiers.flush()
+        return self._tier_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._tier_state = value
+
+    def post_load_state_dict(self) -> None:
+        super().post_load_state_dict()
+        self._tiers.reload_cached_states()
+
+
 class _TieredKernelMixin:
     """What the pooled and the sequence tiered kernels share: the cache module, the tier-backed
     optimizer view, remapping, flush/purge and statistics."""
@@ -121,12 +148,13 @@ class _TieredKernelMixin:
             aliases, more = alias_registry(list(views.values()))
             registry.update(more)
             states.append(dict(zip(views.keys(), aliases)))
-        self._optim = EmbeddingFusedOptimizer(
+        self._optim = _TierBackedFusedOptimizer(
             config,
             self._emb_module,
             pg,
             embedding_weights_by_table=weights,
             all_optimizer_states=states,
+            tiers=self.tiers,
         )
         for param, param_state in self._optim.state.items():
             if isinstance(param, ShardedTensor):

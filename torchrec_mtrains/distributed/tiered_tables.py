@@ -185,6 +185,9 @@ class TieredTableGroup:
             table_ids.append(t_ids)
 
         uniques = [torch.unique(t, return_inverse=True) for t in table_ids]
+        # Every table must fit before any is planned: planning updates a cache's maps.
+        for shard, (uniq, _) in zip(self.shards, uniques):
+            shard.cache.check_fits(uniq)
         plans = [
             shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)
         ]
@@ -241,6 +244,24 @@ class TieredTableGroup:
                 shard.cache.mark_clean(slots)
             shard.store.flush()
 
+    @torch.no_grad()
+    def reload_cached_states(self) -> None:
+        """Re-reads the optimizer state of every cached row from its tier, keeping the cached
+        weights (which may be newer than the tier's): used after a checkpoint load wrote the
+        optimizer state to the tiers directly."""
+        for shard in self.shards:
+            ids, slots = shard.cache.resident()
+            if not shard.state_slots or not ids.numel():
+                continue
+            rows = torch.from_numpy(shard.store.read_rows(ids.numpy()))
+            dev_slots = slots.to(shard.weight_slots.device)
+            start = shard.cols
+            for view in shard.state_slots:
+                width = view.shape[1]
+                part = rows[:, start : start + width].to(view.device, view.dtype)
+                view.index_copy_(0, dev_slots, part)
+                start += width
+
     def purge(self) -> None:
         """Writes dirty rows back, then empties the caches, so the next batch reads every row
         from the tier (used after a checkpoint load wrote the tier directly)."""
@@ -272,9 +293,9 @@ class TieredTableGroup:
         if index not in self._mapped:
             store = self.shards[index].store
             mapped = getattr(store, "mapped_rows", None)
-            if callable(mapped):
-                array = mapped()
-            else:
+            # Block tiers have no byte-addressable copy (mapped_rows() is None): map the file.
+            array = mapped() if callable(mapped) else None
+            if array is None:
                 store.flush()
                 layout = store.layout
                 array = np.memmap(
