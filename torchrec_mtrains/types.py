@@ -40,11 +40,11 @@ class StorageDType(str, enum.Enum):
     FP16 = "fp16"
 
     @property
-    def numpy(self) -> np.dtype[np.floating]:
+    def numpy_dtype(self) -> np.dtype[np.floating]:
         return np.dtype(np.float32) if self is StorageDType.FP32 else np.dtype(np.float16)
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch_dtype(self) -> torch.dtype:
         return torch.float32 if self is StorageDType.FP32 else torch.float16
 
     @property

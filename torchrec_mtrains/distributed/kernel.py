@@ -21,7 +21,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
@@ -234,7 +234,9 @@ class _TieredKernelMixin:
         return destination if destination is not None else {}
 
 
-class TieredEmbeddingBag(_TieredKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):  # type: ignore[misc]
+class TieredEmbeddingBag(
+    _TieredKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule
+):  # type: ignore[misc]
     """Pooled tiered kernel (EmbeddingBagCollection tables).
 
     Args:

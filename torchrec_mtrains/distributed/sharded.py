@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed._shard.sharded_tensor.shard import Shard
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_lookup import (
     GroupedEmbeddingsLookup,
@@ -106,7 +107,9 @@ class _TieredShardedMixin:
                 if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                     yield kernel.tiers
 
-    def _tiered_shards(self, table: str) -> Iterator[tuple[TieredTableGroup, int, TieredTableShard]]:
+    def _tiered_shards(
+        self, table: str
+    ) -> Iterator[tuple[TieredTableGroup, int, TieredTableShard]]:
         for group in self._tiered_groups():
             for i, shard in enumerate(group.shards):
                 if shard.name == table:
@@ -204,7 +207,8 @@ def _local_metadata(group: TieredTableGroup, index: int, shard: TieredTableShard
     return ShardMetadata(
         shard_offsets=[shard.row_offset, shard.col_offset],
         shard_sizes=[shard.local_rows, shard.cols],
-        placement=f"rank:{rank}/cpu" if group.shards[index].weight_slots.device.type == "cpu"
+        placement=f"rank:{rank}/cpu"
+        if group.shards[index].weight_slots.device.type == "cpu"
         else f"rank:{rank}/{group.shards[index].weight_slots.device}",
     )
 
@@ -255,6 +259,7 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
     """
 
     _tables_attr = "embedding_bags"
+    _embedding_bag_configs: list[BaseEmbeddingConfig]
 
     def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
         object.__setattr__(self, "_tier_storage", storage)
@@ -303,6 +308,7 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
     """ShardedEmbeddingCollection whose plan may place tables on storage tiers."""
 
     _tables_attr = "embeddings"
+    _embedding_configs: list[BaseEmbeddingConfig]
 
     def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
         object.__setattr__(self, "_tier_storage", storage)
@@ -347,7 +353,9 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
         self._reset_tiered_parameters()
 
 
-def _tiered_load_hook(module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _tiered_load_hook(
+    module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
     # TorchRec's own pre-load hook (registered first) has already flushed and emptied the
     # caches via lookup.purge(), so the tiers are the only copy and can be written directly.
     module._load_tiered_state(state_dict, prefix)

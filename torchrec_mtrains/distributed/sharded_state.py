@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharding_spec import ShardMetadata
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.shard import Shard
 
 
 def contiguous_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,10 @@ def init_sharded_tensor(
     return st
 
 
-def swap_aliases(tensor: ShardedTensor, real_by_alias: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+def swap_aliases(
+    tensor: ShardedTensor,
+    real_by_alias: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor],
+) -> None:
     """Replaces local shards that are aliases (see :func:`contiguous_alias`) by their views."""
     for shard in tensor.local_shards():
         real = real_by_alias.get(_key(shard.tensor))
@@ -54,7 +59,9 @@ def swap_aliases(tensor: ShardedTensor, real_by_alias: dict[tuple[int, tuple[int
             shard.tensor = real
 
 
-def alias_registry(views: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]]:
+def alias_registry(
+    views: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]]:
     """Returns contiguous aliases of ``views`` and the map from each alias back to its view."""
     aliases = [contiguous_alias(v) for v in views]
     return aliases, {_key(a): v for a, v in zip(aliases, views)}

@@ -34,7 +34,9 @@ _TIERED_SHARDING_TYPES = (
 )
 
 
-def _check_tiered_plan(params: dict[str, ParameterSharding], storage: TierStorage, env: ShardingEnv) -> None:
+def _check_tiered_plan(
+    params: dict[str, ParameterSharding], storage: TierStorage, env: ShardingEnv
+) -> None:
     """Fails at sharding time, naming the table or path, for plans the kernel cannot run."""
     rank = dist.get_rank(env.process_group) if dist.is_initialized() else 0
     for table, ps in params.items():

@@ -142,7 +142,9 @@ class TieredTableGroup:
                 TieredTableShard(
                     name=table.name,
                     store=store,
-                    cache=TableCache(table.name, table.local_rows, cache_rows, options.cache_policy),
+                    cache=TableCache(
+                        table.name, table.local_rows, cache_rows, options.cache_policy
+                    ),
                     weight_slots=weight,
                     state_slots=views,
                     state_keys=keys,
@@ -156,7 +158,9 @@ class TieredTableGroup:
 
     # --------------------------------------------------------------------------- per batch
 
-    def remap(self, values: torch.Tensor, lengths_per_feature: list[int], train: bool) -> torch.Tensor:
+    def remap(
+        self, values: torch.Tensor, lengths_per_feature: list[int], train: bool
+    ) -> torch.Tensor:
         """Returns ``values`` (row ids, features back to back) with each id replaced by its
         cache slot, after making every row resident.
 
@@ -175,9 +179,7 @@ class TieredTableGroup:
                 lo, hi = int(t_ids.min()), int(t_ids.max())
                 if lo < 0 or hi >= shard.local_rows:
                     bad = lo if lo < 0 else hi
-                    where = (
-                        f" (global row {bad + shard.row_offset})" if shard.row_offset else ""
-                    )
+                    where = f" (global row {bad + shard.row_offset})" if shard.row_offset else ""
                     raise TableIdError(
                         f"table {shard.name!r}: row id {bad}{where} out of range "
                         f"[0, {shard.local_rows}) of this shard; nothing was written"
@@ -188,16 +190,16 @@ class TieredTableGroup:
         # Every table must fit before any is planned: planning updates a cache's maps.
         for shard, (uniq, _) in zip(self.shards, uniques):
             shard.cache.check_fits(uniq)
-        plans = [
-            shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)
-        ]
+        plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
         out_segments: list[torch.Tensor] = list(segments)
         for shard, plan, (_, inverse), features in zip(self.shards, plans, uniques, per_table):
             self.apply(shard, plan)
             if train:
                 shard.cache.mark_dirty(plan.slots)
             slots = plan.slots[inverse]
-            for f, part in zip(features, torch.split(slots, [lengths_per_feature[f] for f in features])):
+            for f, part in zip(
+                features, torch.split(slots, [lengths_per_feature[f] for f in features])
+            ):
                 out_segments[f] = part
         return torch.cat(out_segments).to(device) if out_segments else values
 
@@ -280,7 +282,7 @@ class TieredTableGroup:
         for start in range(0, layout.num_rows, chunk_rows):
             count = min(chunk_rows, layout.num_rows - start)
             rows = torch.zeros(count, layout.row_width, dtype=torch.float32)
-            weights = torch.empty(count, layout.dim, dtype=layout.dtype.torch)
+            weights = torch.empty(count, layout.dim, dtype=layout.dtype.torch_dtype)
             init_fn(weights)
             rows[:, : layout.dim] = weights.to(torch.float32)
             shard.store.write_range(start, rows.numpy())
@@ -300,7 +302,7 @@ class TieredTableGroup:
                 layout = store.layout
                 array = np.memmap(
                     store.path,
-                    dtype=layout.dtype.numpy,
+                    dtype=layout.dtype.numpy_dtype,
                     mode="r+",
                     offset=_data_offset(store),
                     shape=(layout.num_rows, layout.row_width),
@@ -360,7 +362,7 @@ def _offsets(table: ShardedEmbeddingTable) -> tuple[int, int]:
     md = table.local_metadata
     if md is None or not md.shard_offsets:
         return 0, 0
-    offsets = list(md.shard_offsets) + [0, 0]
+    offsets = [*list(md.shard_offsets), 0, 0]
     return int(offsets[0]), int(offsets[1])
 
 

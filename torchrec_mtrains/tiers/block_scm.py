@@ -258,7 +258,7 @@ class BlockSCMStore(RowStore):
     def _rows_in(self, buf: AlignedBuffer, nbytes: int, buf_pos: I64Array) -> _RowsView:
         """The rows at ``buf_pos`` in the buffer: a plain view when they lie back to back (a
         range of ids), else an element index to gather or scatter through."""
-        elements = buf.array[:nbytes].view(self.layout.dtype.numpy)
+        elements = buf.array[:nbytes].view(self.layout.dtype.numpy_dtype)
         itemsize, width = self.layout.dtype.itemsize, self.layout.row_width
         n = buf_pos.size
         first = int(buf_pos[0]) // itemsize

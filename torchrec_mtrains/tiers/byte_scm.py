@@ -89,7 +89,7 @@ class ByteSCMStore(RowStore):
             os.close(fd)  # the mapping keeps its own reference to the file
         self._rows: npt.NDArray[Any] = np.frombuffer(
             self._mmap,
-            dtype=layout.dtype.numpy,
+            dtype=layout.dtype.numpy_dtype,
             count=layout.num_rows * layout.row_width,
             offset=self.data_offset,
         ).reshape(layout.num_rows, layout.row_width)

@@ -67,7 +67,7 @@ class DramStore(RowStore):
         except OSError as e:
             raise self._os_error(e, "opening") from e
         # np.zeros is calloc-backed: untouched pages of a new table cost no memory.
-        self._rows = np.zeros((layout.num_rows, layout.row_width), dtype=layout.dtype.numpy)
+        self._rows = np.zeros((layout.num_rows, layout.row_width), dtype=layout.dtype.numpy_dtype)
         self._bytes = self._rows.reshape(-1).view(np.uint8).data
         self._chunk_rows = max(1, _CHUNK_BYTES // layout.row_bytes)
         self._dirty = np.zeros(-(-layout.num_rows // self._chunk_rows), dtype=bool)
