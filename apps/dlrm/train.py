@@ -7,6 +7,7 @@ alone, it forms a one-process group. ``main(cfg)`` is the testable entry point.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -14,16 +15,19 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
@@ -39,11 +43,13 @@ from tqdm import tqdm
 from apps.dlrm.data import build_dataloader
 from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
 from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
-from torchrec_mtrains.tiers.base import OpenMode
+from torchrec_mtrains.tiers.base import OpenMode, RowStoreError
+from torchrec_mtrains.types import Tier
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+TIER_FILE_GLOB = "*.rows"
 
 
 class ConfigError(ValueError):
@@ -69,11 +75,25 @@ def init_distributed() -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), True
 
 
+def _agree_run_dir(cfg: DictConfig, world: int) -> DictConfig:
+    """Every rank composes its own config, so a timestamped ``run.dir`` can differ between them:
+    all ranks adopt rank 0's (and so its tier root, which interpolates it)."""
+    if world == 1:
+        return cfg
+    chosen: list[object] = [str(cfg.run.dir)]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] == str(cfg.run.dir):
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.run.dir = chosen[0]
+    return cfg
+
+
 def _prepare_run_dir(cfg: DictConfig) -> Path:
     run_dir = Path(str(cfg.run.dir))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
+        probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -84,20 +104,63 @@ def _prepare_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
+def _size_option(cfg: DictConfig, key: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    try:
+        size = parse_bytes(value, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if size < 0:
+        raise ConfigError(f"{key}={value!r} is negative; give a size such as 64MB or 0")
+    return size
+
+
+def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
+    """Where the tier files go: ``hardware.tier_root`` unless ``hardware.dirs`` names a tier."""
+    hw = cfg.hardware
+    try:
+        return TierStorage(
+            root=str(hw.tier_root),
+            dirs={str(k): str(v) for k, v in hw.dirs.items()},
+            tier_options={"block_scm": {"block_size": int(hw.block_size)}},
+            open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
+        )
+    except ValueError as e:
+        raise ConfigError(f"hardware: {e}") from None
+
+
+def _check_model_config(cfg: DictConfig) -> list[int]:
+    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
+    features = int(cfg.data.get("num_sparse_features", 26))
+    if len(sizes) != features:
+        raise ConfigError(
+            f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
+            f"{features} sparse features: give one size per feature"
+        )
+    if any(n < 1 for n in sizes):
+        raise ConfigError(f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row")
+    dim = int(cfg.model.embedding_dim)
+    dense = list(cfg.model.dense_arch_layer_sizes)
+    if not dense or int(dense[-1]) != dim:
+        raise ConfigError(
+            f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: the "
+            "dense output is combined with the embeddings"
+        )
+    over = list(cfg.model.over_arch_layer_sizes)
+    if not over or int(over[-1]) != 1:
+        raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
+    return sizes
+
+
 def build_model(
     cfg: DictConfig, world_size: int, resume: bool
 ) -> tuple[DistributedModelParallel, CombinedOptimizer, str]:
     """The sharded DLRM, its combined optimizer and the plan printout."""
-    sizes = list(cfg.model.num_embeddings_per_feature)
-    if len(sizes) != int(cfg.data.num_sparse_features if "num_sparse_features" in cfg.data else 26):
-        raise ConfigError(
-            f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
-            f"{cfg.data.get('num_sparse_features', 26)} sparse features: give one size per feature"
-        )
+    sizes = _check_model_config(cfg)
     dim = int(cfg.model.embedding_dim)
     tables = [
         EmbeddingBagConfig(
-            name=f"t_cat_{i}", embedding_dim=dim, num_embeddings=int(n), feature_names=[f"cat_{i}"]
+            name=f"t_cat_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"cat_{i}"]
         )
         for i, n in enumerate(sizes)
     ]
@@ -113,28 +176,25 @@ def build_model(
         )
     )
     lr = float(cfg.run.learning_rate)
-    hw = cfg.hardware
-    storage = TierStorage(
-        root=str(hw.tier_root),
-        dirs={str(k): str(v) for k, v in hw.dirs.items()},
-        tier_options={"block_scm": {"block_size": int(hw.block_size)}},
-        open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
-    )
     sharder = TieredEmbeddingBagCollectionSharder(
-        storage,
+        build_storage(cfg, resume),
         fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
     )
     planner = cfg.planner
-    dram_budget = parse_bytes(planner.dram_budget, "planner.dram_budget")
-    plan, placements = size_rule_plan(
-        ebc,
-        sharder,
-        world_size,
-        dram_budget=dram_budget,
-        block_scm_min_bytes=parse_bytes(planner.block_scm_min_bytes, "planner.block_scm_min_bytes"),
-        cache_load_factor=float(planner.cache_load_factor),
-        cache_policy=str(planner.cache_policy),
-    )
+    try:
+        plan, placements = size_rule_plan(
+            ebc,
+            sharder,
+            world_size,
+            dram_budget=_size_option(cfg, "planner.dram_budget"),
+            block_scm_min_bytes=_size_option(cfg, "planner.block_scm_min_bytes"),
+            cache_load_factor=float(planner.cache_load_factor),
+            cache_policy=str(planner.cache_policy),
+        )
+    except ConfigError:
+        raise
+    except ValueError as e:  # the table options' own checks (cache factor, policy)
+        raise ConfigError(f"planner: {e}") from None
     dmp = DistributedModelParallel(
         model,
         device=torch.device("cpu"),
@@ -159,6 +219,31 @@ def tier_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
     return out
 
 
+def gathered_tier_stats(model: torch.nn.Module, world: int) -> dict[str, dict[str, float]]:
+    """:func:`tier_stats` of every rank merged (tables are sharded over ranks)."""
+    stats = tier_stats(model)
+    if world == 1:
+        return stats
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, stats)
+    merged: dict[str, dict[str, float]] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
+    """This rank's tier files, path -> (device, inode), to tell reopened files from new ones."""
+    roots = [Path(str(cfg.hardware.tier_root)) / t.value for t in Tier]
+    roots += [Path(str(d)) for d in cfg.hardware.dirs.values()]
+    out: dict[str, tuple[int, int]] = {}
+    for root in roots:
+        for path in (root / f"rank{rank}").glob(TIER_FILE_GLOB):
+            st = path.stat()
+            out[str(path)] = (st.st_dev, st.st_ino)
+    return out
+
+
 def _hit_rate(stats: dict[str, dict[str, float]]) -> float:
     lookups = sum(s["lookups"] for s in stats.values())
     return sum(s["hits"] for s in stats.values()) / lookups if lookups else 0.0
@@ -180,7 +265,7 @@ def save_checkpoint(
     model: DistributedModelParallel, optimizer: CombinedOptimizer, run_dir: Path, step: int
 ) -> Path:
     """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
-    their tiers chunk by chunk."""
+    their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete."""
     path = _checkpoint_dir(run_dir, step)
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
     dist.barrier()
@@ -200,48 +285,86 @@ def load_checkpoint(
 
 
 def _batches(cfg: DictConfig, rank: int, world: int, start: int) -> Iterator[Batch]:
+    """This rank's batches from ``start`` on; data config problems (a missing file, a bad
+    value) surface here, before any table is built."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
-    assert isinstance(data, dict)
+    if not isinstance(data, dict):
+        raise ConfigError(f"data must be a mapping, got {data!r}")
     try:
-        yield from build_dataloader(data, rank, world, start_batch=start)  # type: ignore[arg-type]
+        source = build_dataloader(data, rank, world, start_batch=start)  # type: ignore[arg-type]
     except FileNotFoundError as e:
         raise ConfigError(
             f"data file not found: {e.filename or e}. Point the data config at existing files, "
-            "e.g. data=criteo_tsv data.paths=[/path/day_0.tsv]."
+            "e.g. data=criteo_tsv data.paths=[/path/day_0.tsv], or use data=synthetic."
         ) from None
+    except ValueError as e:
+        raise ConfigError(f"data (kind {data.get('kind')!r}): {e}") from None
+    return iter(source)
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Trains ``cfg.run.steps`` batches, evaluates, writes ``metrics.json``; returns the metrics."""
-    run_dir = _prepare_run_dir(cfg)
+    """Trains ``cfg.run.steps`` batches, evaluates, writes ``metrics.json``; returns the metrics.
+
+    Raises:
+        ConfigError: for a configuration the user must fix (bad value, missing file,
+            unwritable ``run.dir``, a run directory that already holds a run).
+    """
     rank, world, created = init_distributed()
     try:
+        cfg = _agree_run_dir(cfg, world)
+        run_dir = _prepare_run_dir(cfg)
         return _train(cfg, run_dir, rank, world)
     finally:
         if created:
             dist.destroy_process_group()
 
 
+def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path] | None:
+    last = _last_checkpoint(run_dir)
+    if cfg.run.resume:
+        if last is None:
+            raise ConfigError(
+                f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint: "
+                "point run.dir at an earlier run's directory, or drop run.resume."
+            )
+        return last
+    if last is not None or tier_files(cfg, rank):
+        raise ConfigError(
+            f"run.dir={run_dir} already holds a run (checkpoints or tier files): pass "
+            "run.resume=true to continue it, or choose a new run.dir."
+        )
+    return None
+
+
 def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
-    last = _last_checkpoint(run_dir) if cfg.run.resume else None
-    if cfg.run.resume and last is None:
-        raise ConfigError(
-            f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint: "
-            "point run.dir at an earlier run's directory, or drop run.resume."
-        )
-    model, optimizer, plan_text = build_model(cfg, world, resume=last is not None)
-    start = 0
+    phases: dict[str, float] = {}
+    t0 = time.perf_counter()
+    last = _resume_point(cfg, run_dir, rank)
+    start = last[0] if last is not None else 0
+    batches = _batches(cfg, rank, world, start)
+    files_before = tier_files(cfg, rank)
+    try:
+        model, optimizer, plan_text = build_model(cfg, world, resume=last is not None)
+    except RowStoreError as e:
+        raise ConfigError(f"tier storage (hardware.*): {e}") from None
+    files_after = tier_files(cfg, rank)
+    reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
+    file_counts = torch.tensor([len(files_after) - reopened, reopened])
+    if world > 1:
+        dist.all_reduce(file_counts)
+    phases["build"] = time.perf_counter() - t0
     if last is not None:
-        start, path = last
-        load_checkpoint(model, optimizer, path)
-        logger.info("resumed from %s at step %d", path, start)
+        t0 = time.perf_counter()
+        load_checkpoint(model, optimizer, last[1])
+        phases["restore"] = time.perf_counter() - t0
+        logger.info("resumed from %s at step %d", last[1], start)
     if rank == 0:
         (run_dir / "plan.txt").write_text(plan_text + "\n")
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         print(f"Sharding plan ({world} rank{'s' if world > 1 else ''}):\n{plan_text}", flush=True)
 
     steps = int(cfg.run.steps)
-    batches = _batches(cfg, rank, world, start)
     model.train()
     bar = tqdm(
         total=steps,
@@ -254,6 +377,7 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     samples = 0
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
+    log_every = max(1, int(cfg.run.log_every))
     for step in range(start, steps):
         try:
             batch = next(batches)
@@ -266,7 +390,7 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
         optimizer.step()
         losses.append(float(loss.detach()))
         samples += int(batch.labels.numel()) * world
-        if rank == 0 and (step + 1) % int(cfg.run.log_every) == 0:
+        if rank == 0 and (step + 1) % log_every == 0:
             rate = samples / (time.perf_counter() - timed_start)
             bar.set_postfix(
                 samples_s=f"{rate:,.0f}",
@@ -280,24 +404,33 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     elapsed = time.perf_counter() - timed_start
     trained_steps = len(losses)
 
+    phases["train"] = elapsed
+    t0 = time.perf_counter()
     auc, ne = evaluate(model, batches, int(cfg.run.eval_batches))
-    ckpt = save_checkpoint(model, optimizer, run_dir, start + trained_steps)
-    stats = tier_stats(model)
+    phases["eval"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if trained_steps == 0 and last is not None:
+        ckpt = last[1]  # nothing new to save
+    else:
+        ckpt = save_checkpoint(model, optimizer, run_dir, start + trained_steps)
+    phases["checkpoint"] = time.perf_counter() - t0
+    stats = gathered_tier_stats(model, world)
+    tail = losses[-max(1, len(losses) // 10) :]
     metrics: dict[str, Any] = {
         "world_size": world,
         "steps": start + trained_steps,
+        "resumed_from_step": start if last is not None else None,
         "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+        "seconds": phases,
         "train_loss_last": losses[-1] if losses else None,
-        "train_loss_mean_last_10pct": (
-            sum(losses[-max(1, len(losses) // 10) :]) / max(1, len(losses) // 10)
-            if losses
-            else None
-        ),
+        "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
         "eval_auc": auc,
         "eval_ne": ne,
         "cache_hit_rate": _hit_rate(stats),
         "tables": stats,
+        "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
         "checkpoint": str(ckpt),
+        "run_dir": str(run_dir),
     }
     if rank == 0:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -343,6 +476,10 @@ def evaluate(
     return auc, ne
 
 
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
 def summary(metrics: dict[str, Any], run_dir: Path) -> str:
     """The end-of-run table: throughput, quality and per-tier traffic."""
     lines = [
@@ -350,9 +487,11 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
         "=== summary ===",
         f"steps             {metrics['steps']}",
         f"throughput        {metrics['samples_per_s']:,.0f} samples/s",
-        f"eval AUC          {metrics['eval_auc'] if metrics['eval_auc'] is None else round(metrics['eval_auc'], 4)}",
-        f"eval NE           {metrics['eval_ne'] if metrics['eval_ne'] is None else round(metrics['eval_ne'], 4)}",
+        f"eval AUC          {_fmt(metrics['eval_auc'])}",
+        f"eval NE           {_fmt(metrics['eval_ne'])}",
         f"cache hit rate    {metrics['cache_hit_rate']:.3f}",
+        "time (s)          "
+        + ", ".join(f"{k} {v:.1f}" for k, v in metrics.get("seconds", {}).items()),
         f"{'table':<14}{'hit rate':>10}{'MB read':>10}{'MB written':>12}",
     ]
     for name, s in sorted(metrics["tables"].items()):
@@ -360,19 +499,83 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
             f"{name:<14}{s['hit_rate']:>10.3f}{s['tier_bytes_read'] / 2**20:>10.1f}"
             f"{s['tier_bytes_written'] / 2**20:>12.1f}"
         )
-    lines.append(f"outputs in {run_dir}: plan.txt, metrics.json, checkpoints/, tiers/")
+    lines.append(
+        f"outputs in {run_dir.resolve()}: plan.txt, config.yaml, metrics.json, checkpoints/, tiers/"
+    )
     return "\n".join(lines)
 
 
-@record
+# Errors a user fixes by changing the command line, printed as one paragraph: ours, Hydra's
+# composition errors (unknown preset, bad override syntax) and OmegaConf's (unknown key,
+# failed interpolation).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    HydraException,
+    OmegaConfBaseException,
+)
+
+
+def one_paragraph(error: BaseException) -> str:
+    """The error's message as one paragraph: lines become sentences, an indented listing after
+    a ``...:`` line becomes a comma-separated list, and the config search path Hydra appends to
+    a missing-preset message is dropped."""
+    text = str(error).split("Config search path:")[0]
+    parts: list[str] = []
+    listing = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if raw[:1].isspace() and parts and (listing or parts[-1].endswith(":")):
+            parts[-1] += (", " if listing else " ") + line
+            listing = True
+            continue
+        listing = False
+        if parts and parts[-1][-1] not in ".:;,!?":
+            parts[-1] += "."
+        parts.append(line)
+    return " ".join(parts) or type(error).__name__
+
+
+def _exit_with(error: BaseException) -> NoReturn:
+    if os.environ.get("MTRAINS_TRACEBACK") == "1":
+        raise error
+    print(f"error: {one_paragraph(error)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def run(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.WARNING)
+def _hydra_main(cfg: DictConfig) -> None:
     try:
         main(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except USER_ERRORS as e:
+        # Exiting here, not in run(), keeps Hydra from adding its "Error executing job" line.
+        _exit_with(e)
+
+
+def _quiet_libraries() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apps").setLevel(logging.INFO)
+    # Known, harmless deprecation notes from TorchRec's DMP on this stack.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+@record
+def run() -> None:
+    """Command-line entry point: Hydra composes the config, :func:`main` runs it.
+
+    Configuration errors (ours, Hydra's and OmegaConf's) print as one ``error:`` paragraph and
+    exit with status 2; ``HYDRA_FULL_ERROR=1`` shows their tracebacks instead."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        os.environ["MTRAINS_TRACEBACK"] = "1"
+    # Let composition errors reach us instead of Hydra printing a trimmed traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    _quiet_libraries()
+    try:
+        _hydra_main()
+    except USER_ERRORS as e:
+        _exit_with(e)
 
 
 if __name__ == "__main__":

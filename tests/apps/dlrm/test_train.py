@@ -1,0 +1,225 @@
+"""The DLRM app end to end, in-process: Hydra-composed configs run through ``main(cfg)``.
+
+Tables are tiny (a few thousand rows) and the DRAM budget small, so every run places tables on
+all three tiers: DRAM (fused), byte SCM and block SCM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
+from apps.dlrm.train import ConfigError, main, one_paragraph, run
+
+REPO = Path(__file__).resolve().parents[3]
+CONF = REPO / "conf"
+
+# 26 tables: 20 of 100 rows (6.8 KB each with row-wise optimizer state) fit the 200 KB DRAM
+# budget; the 2,000-row tables (136 KB) go to byte SCM, the 4,000-row ones (272 KB) to block SCM.
+SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
+TIERED_TABLES = 6
+TINY = [
+    f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
+    "planner.dram_budget=200KB",
+    "planner.block_scm_min_bytes=200KB",
+    "planner.cache_load_factor=0.25",
+    "data.batch_size=64",
+    "run.eval_batches=4",
+    "run.progress=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_hydra() -> Iterator[None]:
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def config(run_dir: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=[*TINY, f"run.dir={run_dir}", *overrides])
+
+
+def read_metrics(run_dir: Path) -> dict[str, object]:
+    metrics: dict[str, object] = json.loads((run_dir / "metrics.json").read_text())
+    return metrics
+
+
+def tier_inodes(run_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(run_dir)): p.stat().st_ino for p in run_dir.glob("tiers/*/*/*.rows")}
+
+
+def test_run_writes_plan_metrics_and_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    returned = main(config(run_dir, "run.steps=20"))
+
+    metrics = read_metrics(run_dir)
+    assert metrics["world_size"] == 1
+    assert metrics["steps"] == 20
+    assert returned["steps"] == 20
+    loss = metrics["train_loss_last"]
+    assert isinstance(loss, float) and math.isfinite(loss)
+    auc = metrics["eval_auc"]
+    assert isinstance(auc, float) and 0.0 <= auc <= 1.0
+    hit = metrics["cache_hit_rate"]
+    assert isinstance(hit, float) and 0.0 <= hit <= 1.0
+    tables = metrics["tables"]
+    assert isinstance(tables, dict) and len(tables) == TIERED_TABLES
+    assert all(t["lookups"] > 0 and t["tier_bytes_read"] > 0 for t in tables.values())
+    assert metrics["tier_files"] == {"created": TIERED_TABLES, "reopened": 0}
+
+    plan = (run_dir / "plan.txt").read_text()
+    for tier in ("dram", "byte_scm", "block_scm"):
+        assert tier in plan
+    assert len(list(run_dir.glob("tiers/byte_scm/rank0/*.rows"))) == 3
+    assert len(list(run_dir.glob("tiers/block_scm/rank0/*.rows"))) == 3
+    assert (run_dir / "checkpoints" / "step_00000020" / "DONE").exists()
+    assert "run:" in (run_dir / "config.yaml").read_text()
+
+
+def test_resume_continues_from_last_checkpoint_and_reopens_tiers(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    main(config(run_dir, "run.steps=12", "run.checkpoint_every=5"))
+    done = sorted(p.parent.name for p in run_dir.glob("checkpoints/*/DONE"))
+    assert done == ["step_00000005", "step_00000010", "step_00000012"]
+    inodes = tier_inodes(run_dir)
+    assert len(inodes) == TIERED_TABLES
+
+    metrics = main(config(run_dir, "run.steps=20", "run.resume=true"))
+
+    assert metrics["resumed_from_step"] == 12
+    assert metrics["steps"] == 20
+    assert read_metrics(run_dir)["steps"] == 20
+    assert metrics["tier_files"] == {"created": 0, "reopened": TIERED_TABLES}
+    assert tier_inodes(run_dir) == inodes
+    assert (run_dir / "checkpoints" / "step_00000020" / "DONE").exists()
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Stopping after a checkpoint and resuming gives the same model as never stopping: the
+    data stream, the tiers and both optimizers' states all continue where they were."""
+    straight = main(config(tmp_path / "straight", "run.steps=16"))
+    # The first run "crashes" after its step-8 checkpoint: the later checkpoint is unfinished.
+    main(config(tmp_path / "resumed", "run.steps=12", "run.checkpoint_every=8"))
+    (tmp_path / "resumed" / "checkpoints" / "step_00000012" / "DONE").unlink()
+    resumed = main(config(tmp_path / "resumed", "run.steps=16", "run.resume=true"))
+
+    assert resumed["resumed_from_step"] == 8
+    assert resumed["steps"] == straight["steps"] == 16
+    assert resumed["train_loss_last"] == pytest.approx(straight["train_loss_last"], abs=1e-5)
+    assert resumed["eval_auc"] == pytest.approx(straight["eval_auc"], abs=1e-5)
+    assert resumed["eval_ne"] == pytest.approx(straight["eval_ne"], abs=1e-5)
+
+
+def test_auc_rises_above_chance(tmp_path: Path) -> None:
+    metrics = main(
+        config(tmp_path / "run", "run.steps=50", "data.batch_size=256", "run.eval_batches=8")
+    )
+    auc, ne = metrics["eval_auc"], metrics["eval_ne"]
+    assert isinstance(auc, float) and auc > 0.65
+    assert isinstance(ne, float) and ne < 1.0
+
+
+def test_rerun_into_a_used_run_dir_needs_resume(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    main(config(run_dir, "run.steps=2"))
+    with pytest.raises(ConfigError, match=r"run\.resume=true"):
+        main(config(run_dir, "run.steps=2"))
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no finished checkpoint"):
+        main(config(tmp_path / "run", "run.resume=true"))
+
+
+def test_unknown_preset_names_the_group() -> None:
+    with pytest.raises(HydraException) as info:
+        config(Path("unused"), "hardware=nonexistent")
+    message = one_paragraph(info.value)
+    assert "hardware/nonexistent" in message
+    assert "local" in message  # the available presets
+    assert "\n" not in message
+
+
+def test_missing_data_file_names_the_path(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "run", "data=criteo_tsv", "data.paths=[/nonexistent.tsv]")
+    with pytest.raises(ConfigError) as info:
+        main(cfg)
+    message = str(info.value)
+    assert "/nonexistent.tsv" in message
+    assert "\n" not in message
+    assert not list((tmp_path / "run").glob("tiers/*/*/*.rows"))  # failed before building
+
+
+def test_unparsable_dram_budget_names_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"planner\.dram_budget='lots'"):
+        main(config(tmp_path / "run", "planner.dram_budget=lots"))
+
+
+def test_unwritable_run_dir_names_run_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"run\.dir="):
+        main(config(blocker / "run"))
+
+
+def test_wrong_number_of_tables_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="num_embeddings_per_feature"):
+        main(config(tmp_path / "run", "model.num_embeddings_per_feature=[10,20]"))
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under capture
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["hardware=nonexistent"], "hardware/nonexistent"),
+        (["planner.dram_budget=lots"], "planner.dram_budget"),
+    ],
+)
+def test_cli_prints_one_paragraph(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    overrides: list[str],
+    expected: str,
+) -> None:
+    # run() sets HYDRA_FULL_ERROR itself; setenv makes monkeypatch restore the original.
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    monkeypatch.setenv("MTRAINS_TRACEBACK", "0")
+    monkeypatch.setattr(sys, "argv", ["train", f"run.dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(SystemExit) as info:
+        run()
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and expected in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "apps.dlrm.train", "hardware=nonexistent"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: ")
+    assert "hardware/nonexistent" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
