@@ -89,9 +89,10 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     The cache holds the newest optimizer state of its rows, so reading the state (TorchRec's
     ``CombinedOptimizer.state_dict()`` reads ``state`` of each optimizer) first writes dirty
-    cached rows back, and loading a state dict (copied into the tier views in place) re-reads
-    the state of every cached row from the tier. Otherwise a save would miss recent updates and
-    a load would be undone by stale cached rows."""
+    cached rows back, and loading a state dict (copied into the tier views in place) stores the
+    loaded rows through the tier's API (so the dram tier persists them) and re-reads the state
+    of every cached row from the tier. Otherwise a save would miss recent updates and a load
+    would be undone by stale cached rows."""
 
     def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
         self._tiers = tiers
@@ -108,6 +109,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
+        self._tiers.persist_view_writes()
         self._tiers.reload_cached_states()
 
 

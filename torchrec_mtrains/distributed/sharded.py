@@ -188,6 +188,8 @@ class _TieredShardedMixin:
                         shard.tensor.copy_(value[rows, cols])
                 else:
                     raise TypeError(f"state_dict[{key!r}]: unexpected type {type(value).__name__}")
+            for group, i, _ in self._tiered_shards(name):
+                group.persist_view_writes(i)
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cache and tier counters per tiered table shard on this rank."""

@@ -246,6 +246,22 @@ class TieredTableGroup:
                 shard.cache.mark_clean(slots)
             shard.store.flush()
 
+    def persist_view_writes(self, index: int | None = None) -> None:
+        """Stores the rows of shard ``index`` (all shards when ``None``) again through the store
+        API, chunk by chunk, after a checkpoint load wrote them through the mapped views.
+
+        Writes through a tier's ``mapped_rows()`` bypass its bookkeeping; the dram tier, whose
+        view is its in-memory copy, would never write them to its file. (A block tier's view
+        maps the file itself, so it needs nothing.)"""
+        chunk = self.storage.checkpoint_chunk_rows
+        for shard in self.shards if index is None else [self.shards[index]]:
+            store = shard.store
+            mapped = store.mapped_rows()
+            if mapped is None:
+                continue
+            for start in range(0, store.layout.num_rows, chunk):
+                store.write_range(start, mapped[start : start + chunk])
+
     @torch.no_grad()
     def reload_cached_states(self) -> None:
         """Re-reads the optimizer state of every cached row from its tier, keeping the cached
