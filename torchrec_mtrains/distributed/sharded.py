@@ -30,11 +30,16 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
 from torchrec_mtrains.distributed.options import TIERED_KERNEL, TierStorage
 from torchrec_mtrains.distributed.sharded_state import chunk_sharded_tensor, init_sharded_tensor
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, TieredTableShard
+from torchrec_mtrains.distributed.tiered_tables import (
+    TableIdError,
+    TieredTableGroup,
+    TieredTableShard,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -117,6 +122,37 @@ class _TieredShardedMixin:
 
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
         raise NotImplementedError
+
+    def _check_tiered_ids(self, features: Any) -> None:
+        """Raises :class:`TableIdError` naming the table, the id and the feature if a tiered
+        table's feature holds an id outside the table. Runs before the input distribution, so
+        a bad batch reaches no kernel: no table plans, loads, counts or writes anything (the
+        kernels check again per shard, but by then other kernels may have run)."""
+        if not isinstance(features, KeyedJaggedTensor):
+            return
+        rows_of = self.__dict__.get("_tiered_feature_rows")
+        if rows_of is None:
+            configs = self._config_by_name()
+            rows_of = {
+                feature: (name, configs[name].num_embeddings)
+                for name in self._tiered_table_names()
+                for feature in configs[name].feature_names
+            }
+            self.__dict__["_tiered_feature_rows"] = rows_of
+        if not rows_of:
+            return
+        values, offsets = features.values(), features.offset_per_key()
+        for i, feature in enumerate(features.keys()):
+            if feature not in rows_of or offsets[i] == offsets[i + 1]:
+                continue
+            ids = values[offsets[i] : offsets[i + 1]]
+            table, rows = rows_of[feature]
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                raise TableIdError(
+                    f"table {table!r}: row id {lo if lo < 0 else hi} (feature {feature!r}) out "
+                    f"of range [0, {rows}); nothing was written"
+                )
 
     def _register_tiered_state(self) -> None:
         """Builds a chunked, tier-backed ShardedTensor per tiered table for state dicts."""
@@ -270,6 +306,10 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
         return {c.name: c for c in self._embedding_bag_configs}
 
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        self._check_tiered_ids(features)
+        return super().input_dist(ctx, features)
+
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
             configs = getattr(sharding, "_grouped_embedding_configs", [])
@@ -318,6 +358,10 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
 
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
         return {c.name: c for c in self._embedding_configs}
+
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        self._check_tiered_ids(features)
+        return super().input_dist(ctx, features)
 
     def _create_lookups(self) -> None:
         for sharding in self._sharding_type_to_sharding.values():
