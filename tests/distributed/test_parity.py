@@ -240,19 +240,23 @@ def _with_id(step: int, feature: str, bad: int) -> dict[str, tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize(
-    ("kind", "tier", "bad"),
+    ("kind", "sharding", "tier", "bad"),
     [
-        *[("ebc", tier, bad) for tier in TIER_NAMES for bad in (-1, h.ROWS[h.TIERED_TABLE])],
-        ("ec", "byte_scm", -1),
-        ("ec", "block_scm", 10**9),
+        *[
+            ("ebc", "table_wise", tier, bad)
+            for tier in TIER_NAMES
+            for bad in (-1, h.ROWS[h.TIERED_TABLE])
+        ],
+        ("ebc", "row_wise", "dram", -1),
+        ("ebc", "column_wise", "block_scm", h.ROWS[h.TIERED_TABLE]),
+        ("ec", "table_wise", "byte_scm", -1),
+        ("ec", "row_wise", "block_scm", 10**9),
     ],
 )
 def test_out_of_range_id_raises_before_writing(
-    kind: str, tier: str, bad: int, tmp_path: Path
+    kind: str, sharding: str, tier: str, bad: int, tmp_path: Path
 ) -> None:
-    case = h.ParityCase(
-        kind=kind, sharding="table_wise", optimizer="adagrad", tier=tier, cache="min"
-    )
+    case = h.ParityCase(kind=kind, sharding=sharding, optimizer="adagrad", tier=tier, cache="min")
     ref, tie, _ = h.build_models(case, 1, tmp_path)
     half = h.STEPS // 2
     for model in (ref, tie):  # warm up: the cache is full of dirty rows that evictions would write
@@ -263,7 +267,7 @@ def test_out_of_range_id_raises_before_writing(
     with pytest.raises(TableIdError) as err:
         tie(h.make_kjt(_with_id(half, "f1", bad)))
     message = str(err.value)
-    assert repr(h.TIERED_TABLE) in message
+    assert repr(h.TIERED_TABLE) in message and "'f1'" in message
     assert re.search(rf"row id {bad}\b", message), message
 
     assert tie.module.tier_stats() == stats
@@ -344,10 +348,11 @@ def test_loaded_checkpoint_reaches_the_tier_files(tier: str, tmp_path: Path) -> 
 
 
 def _two_table_plan(
-    tmp_path: Path, load_factor: float, tier: str = "byte_scm"
+    tmp_path: Path, load_factor: float, tier: str = "byte_scm", tier_b: str | None = None
 ) -> DistributedModelParallel:
-    """An EBC whose two tables share one tiered kernel (same tier and cache options):
-    ``a`` (100 rows, feature fa) and ``b`` (40 rows, feature fb)."""
+    """An EBC with tiered tables ``a`` (100 rows, feature fa) and ``b`` (40 rows, feature
+    fb): in one tiered kernel (same tier and cache options) unless ``tier_b`` puts b on
+    another tier (then each has its own kernel)."""
     tables = [
         EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=100, feature_names=["fa"]),
         EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=40, feature_names=["fb"]),
@@ -367,6 +372,10 @@ def _two_table_plan(
     )
     for t in tables:
         plan[t.name] = TieredParameterSharding.wrap(plan[t.name], options)
+    if tier_b is not None:
+        plan["b"] = TieredParameterSharding.wrap(
+            plan["b"], TieredTableOptions(tier=tier_b, cache_load_factor=load_factor)
+        )
     return DistributedModelParallel(
         ebc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
     )
@@ -403,6 +412,22 @@ def test_cache_too_small_for_one_batch(tier: str, tmp_path: Path) -> None:
     model(_kjt([50, 60, 70], [1, 2])).values().sum().backward()
     after = model.module.tier_stats()
     assert after["a"]["misses"] == stats["a"]["misses"] + 3
+
+
+@pytest.mark.parametrize("tier_b", [None, "block_scm"], ids=["one_kernel", "two_kernels"])
+def test_out_of_range_id_in_one_table_leaves_the_others_untouched(
+    tier_b: str | None, tmp_path: Path
+) -> None:
+    """The bad id is in b; a (seen first) must not have planned, loaded or counted anything."""
+    model = _two_table_plan(tmp_path, 0.1, "byte_scm", tier_b)
+    assert len(list(model.module._tiered_groups())) == (1 if tier_b is None else 2)
+    for step in range(4):  # a's 10-row cache fills with dirty rows
+        model(_kjt([step * 10 + i for i in range(10)], [step])).values().sum().backward()
+    files, stats = _tier_files(tmp_path), model.module.tier_stats()
+    with pytest.raises(TableIdError, match=r"table 'b'.*row id 40\b"):
+        model(_kjt([50, 60, 70, 80], [1, 40]))
+    assert model.module.tier_stats() == stats
+    assert _tier_files(tmp_path) == files
 
 
 def test_cache_sized_to_one_batch_is_enough(tmp_path: Path) -> None:
