@@ -7,6 +7,7 @@ alone, it forms a one-process group. ``main(cfg)`` is the testable entry point.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -42,6 +43,7 @@ from tqdm import tqdm
 
 from apps.dlrm.data import build_dataloader
 from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
+from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
 from torchrec_mtrains.tiers.base import OpenMode, RowStoreError
 from torchrec_mtrains.types import Tier
@@ -309,6 +311,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: for a configuration the user must fix (bad value, missing file,
             unwritable ``run.dir``, a run directory that already holds a run).
     """
+    threads = int(cfg.run.get("num_threads", 0))
+    if threads > 0:
+        torch.set_num_threads(threads)
     rank, world, created = init_distributed()
     try:
         cfg = _agree_run_dir(cfg, world)
@@ -317,6 +322,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
+    """A batch with more distinct rows of a table than its cache holds is a sizing problem."""
+    try:
+        yield
+    except CacheTooSmallError as e:
+        raise ConfigError(
+            f"{e}. Raise planner.cache_load_factor (now {cfg.planner.cache_load_factor}) or "
+            f"lower data.batch_size (now {cfg.data.batch_size})."
+        ) from None
 
 
 def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path] | None:
@@ -378,35 +395,37 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
     log_every = max(1, int(cfg.run.log_every))
-    for step in range(start, steps):
-        try:
-            batch = next(batches)
-        except StopIteration:
-            logger.warning("data ran out after %d batches", step)
-            break
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        samples += int(batch.labels.numel()) * world
-        if rank == 0 and (step + 1) % log_every == 0:
-            rate = samples / (time.perf_counter() - timed_start)
-            bar.set_postfix(
-                samples_s=f"{rate:,.0f}",
-                loss=f"{losses[-1]:.4f}",
-                hit=f"{_hit_rate(tier_stats(model)):.3f}",
-            )
-        bar.update(1)
-        if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
-            save_checkpoint(model, optimizer, run_dir, step + 1)
+    with _cache_errors_explained(cfg):
+        for step in range(start, steps):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                logger.warning("data ran out after %d batches", step)
+                break
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            samples += int(batch.labels.numel()) * world
+            if rank == 0 and (step + 1) % log_every == 0:
+                rate = samples / (time.perf_counter() - timed_start)
+                bar.set_postfix(
+                    samples_s=f"{rate:,.0f}",
+                    loss=f"{losses[-1]:.4f}",
+                    hit=f"{_hit_rate(tier_stats(model)):.3f}",
+                )
+            bar.update(1)
+            if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
+                save_checkpoint(model, optimizer, run_dir, step + 1)
     bar.close()
     elapsed = time.perf_counter() - timed_start
     trained_steps = len(losses)
 
     phases["train"] = elapsed
     t0 = time.perf_counter()
-    auc, ne = evaluate(model, batches, int(cfg.run.eval_batches))
+    with _cache_errors_explained(cfg):
+        auc, ne = evaluate(model, batches, int(cfg.run.eval_batches))
     phases["eval"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if trained_steps == 0 and last is not None:

@@ -20,6 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
+from apps.dlrm.placement import parse_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
 
 REPO = Path(__file__).resolve().parents[3]
@@ -223,3 +224,23 @@ def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
     assert "hardware/nonexistent" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cache_smaller_than_a_batch_names_the_knobs(tmp_path: Path) -> None:
+    # 2,000 rows x 0.01 = 20 cache rows, fewer than one 64-sample batch's distinct ids.
+    with pytest.raises(ConfigError, match=r"planner\.cache_load_factor.*data\.batch_size"):
+        main(config(tmp_path / "run", "planner.cache_load_factor=0.01", "run.steps=2"))
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("64MB", 64 << 20), ("64MiB", 64 << 20), ("64m", 64 << 20), ("1.5GB", 3 << 29), ("512", 512)],
+)
+def test_sizes_parse_in_binary_units(text: str, size: int) -> None:
+    assert parse_bytes(text, "planner.dram_budget") == size
+
+
+@pytest.mark.parametrize("text", ["lots", "MB", "-5MB", "64XB"])
+def test_bad_sizes_name_the_option(text: str) -> None:
+    with pytest.raises(ValueError, match=r"^planner\.dram_budget="):
+        parse_bytes(text, "planner.dram_budget")
