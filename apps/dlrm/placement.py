@@ -3,7 +3,8 @@
 This is the size rule used when no access profile drives placement: the smallest tables stay in
 DRAM on TorchRec's FUSED kernel until ``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
-Tables are placed table-wise, round-robin over ranks by size.
+Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
+least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ def table_bytes(config: EmbeddingBagConfig, state_width: int = 1) -> int:
     return config.num_embeddings * (config.embedding_dim + state_width) * 4
 
 
+def balance_ranks(configs: list[EmbeddingBagConfig], world_size: int) -> dict[str, int]:
+    """Table name -> rank: largest first, each onto the rank holding the fewest bytes."""
+    load = [0] * world_size
+    out: dict[str, int] = {}
+    for config in sorted(configs, key=lambda c: (-table_bytes(c), c.name)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load[rank] += table_bytes(config)
+        out[config.name] = rank
+    return out
+
+
 def size_rule_plan(
     ebc: EmbeddingBagCollection,
     sharder: EmbeddingBagCollectionSharder,
@@ -69,16 +81,15 @@ def size_rule_plan(
     cache_policy: str,
 ) -> tuple[EmbeddingModuleShardingPlan, list[TablePlacement]]:
     """Builds the plan and a per-table summary (see the module docstring for the rule)."""
-    configs = sorted(ebc.embedding_bag_configs(), key=table_bytes)
+    configs = sorted(ebc.embedding_bag_configs(), key=lambda c: (table_bytes(c), c.name))
+    ranks = balance_ranks(configs, world_size)
     placements: list[TablePlacement] = []
     generators = {}
     options: dict[str, TieredTableOptions] = {}
     spent = 0
-    rank_load = [0] * world_size
     for config in configs:
         size = table_bytes(config)
-        rank = min(range(world_size), key=lambda r: rank_load[r])
-        rank_load[rank] += size
+        rank = ranks[config.name]
         if spent + size <= dram_budget:
             spent += size
             generators[config.name] = table_wise(rank=rank, compute_kernel="fused")

@@ -19,8 +19,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from apps.dlrm.placement import parse_bytes
+from apps.dlrm.placement import balance_ranks, parse_bytes, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
 
 REPO = Path(__file__).resolve().parents[3]
@@ -244,3 +245,20 @@ def test_sizes_parse_in_binary_units(text: str, size: int) -> None:
 def test_bad_sizes_name_the_option(text: str) -> None:
     with pytest.raises(ValueError, match=r"^planner\.dram_budget="):
         parse_bytes(text, "planner.dram_budget")
+
+
+def test_ranks_are_balanced_largest_table_first() -> None:
+    rows = [1_000_000, 1_000_000, 1_000_000, 500_000, 500_000, 286_181, 1460, 3]
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"f{i}"]
+        )
+        for i, n in enumerate(rows)
+    ]
+    ranks = balance_ranks(configs, world_size=2)
+    load = [0, 0]
+    for config in configs:
+        load[ranks[config.name]] += table_bytes(config)
+    assert abs(load[0] - load[1]) <= max(table_bytes(c) for c in configs) // 2
+    # the three largest tables do not all land on one rank
+    assert {ranks["t0"], ranks["t1"], ranks["t2"]} == {0, 1}
