@@ -1,0 +1,467 @@
+"""Node topology: one host's memory hierarchy as a Hydra structured config.
+
+A host has DRAM, optionally GPUs with HBM, and optionally the two storage-class tiers (byte
+addressable: PMem / CXL memory / a mapped file; block addressable: an Optane or NAND NVMe SSD).
+Each tier is described by what the perf model needs: capacity, read/write bandwidth and latency,
+the size of the device's internal access unit, and for block devices IOPS, block size and queue
+depth. The presets live in ``conf/hardware/*.yaml`` and cite where every figure comes from.
+
+Why plain (not frozen) dataclasses: OmegaConf makes nodes of frozen dataclasses read-only, so
+YAML values could not be merged onto the schema. Instances are validated in ``__post_init__``
+(OmegaConf's ``to_object`` runs it) and the planner never mutates them.
+
+Sizes are strings with an SI or IEC unit (``"512GB"`` = 512e9 bytes as on datasheets,
+``"24GiB"`` = 24 * 2**30); bandwidths are decimal GB/s; latencies are ns.
+
+Example::
+
+    topo = load_topology("gpu_pmem_nvme")
+    topo.rank_capacity(Tier.BYTE_SCM, local_world_size=8)   # bytes of PMem per GPU rank
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from torchrec_mtrains.types import Tier
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CONF_DIR",
+    "BlockTierConfig",
+    "CacheManagerConfig",
+    "ComputeConfig",
+    "GpuConfig",
+    "HostTopology",
+    "MemoryTierConfig",
+    "NetworkConfig",
+    "available_presets",
+    "format_size",
+    "load_topology",
+    "parse_size",
+    "register_configs",
+    "topology_from_config",
+]
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The repository's Hydra config directory (``conf/``), where the hardware presets live."""
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "PB": 10**15,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "PIB": 2**50,
+}
+
+
+def parse_size(value: str | int | float, what: str = "size") -> int:
+    """``"512GB"`` -> 512e9, ``"24GiB"`` -> 24 * 2**30, ``1024`` -> 1024.
+
+    Raises:
+        ValueError: naming ``what`` when ``value`` is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} is not a size")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(
+                f"{what}={value!r} is not a size; write e.g. 512GB (SI), 24GiB (IEC) or bytes"
+            )
+        number, unit = float(match.group(1)), match.group(2).upper()
+    if number < 0 or not math.isfinite(number):
+        raise ValueError(f"{what}={value!r} must be finite and >= 0")
+    return int(number * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    """Bytes in IEC units with three significant digits, e.g. ``1.50 TiB``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _positive(obj: object, names: Sequence[str], *, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        ok = value >= 0 if allow_zero else value > 0
+        if not ok or not math.isfinite(value):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{type(obj).__name__}.{name} must be finite and {bound}, got {value}")
+
+
+@dataclass
+class MemoryTierConfig:
+    """A byte-addressable tier (DRAM, PMem, CXL memory, a page-cache-backed mapped file).
+
+    Args:
+        capacity: total bytes of the tier on one host.
+        read_bandwidth_gbs / write_bandwidth_gbs: sustained random-access bandwidth, GB/s.
+        read_latency_ns / write_latency_ns: latency of one access that misses the CPU caches.
+        access_bytes: the device's internal access unit (64 B cache line; 256 B for Optane
+            PMem): a row touching ``k`` units moves ``k * access_bytes`` bytes.
+        concurrency: accesses one rank keeps in flight; latency is divided by it.
+        call_overhead_us: fixed software cost of one batched read or write call (measured on
+            this implementation; 0 for datasheet-only presets).
+        source: where the figures come from.
+    """
+
+    capacity: str = "0B"
+    read_bandwidth_gbs: float = 1.0
+    write_bandwidth_gbs: float = 1.0
+    read_latency_ns: float = 100.0
+    write_latency_ns: float = 100.0
+    access_bytes: int = 64
+    concurrency: float = 1.0
+    call_overhead_us: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        parse_size(self.capacity, f"{type(self).__name__}.capacity")
+        _positive(self, ("read_bandwidth_gbs", "write_bandwidth_gbs", "concurrency"))
+        _positive(
+            self, ("read_latency_ns", "write_latency_ns", "call_overhead_us"), allow_zero=True
+        )
+        if self.access_bytes <= 0:
+            raise ValueError(f"access_bytes must be positive, got {self.access_bytes}")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return parse_size(self.capacity, "capacity")
+
+
+@dataclass
+class BlockTierConfig(MemoryTierConfig):
+    """A block-addressable tier (NVMe / Optane SSD) read and written in aligned blocks.
+
+    Args:
+        read_iops / write_iops: random ``block_size`` I/Os per second at ``queue_depth``.
+        block_size: the I/O unit in bytes (also ``access_bytes``: a row straddling two blocks
+            costs two I/Os).
+        queue_depth: I/Os the tier keeps in flight per rank (the IOPS figures assume it).
+        (other fields as for :class:`MemoryTierConfig`; latencies are per I/O at queue depth 1.)
+    """
+
+    read_iops: float = 1.0
+    write_iops: float = 1.0
+    block_size: int = 4096
+    queue_depth: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, ("read_iops", "write_iops"))
+        if self.block_size < 512 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 512, got {self.block_size}")
+        if self.queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
+        self.access_bytes = self.block_size
+
+
+@dataclass
+class GpuConfig:
+    """The GPUs of a host; each is one rank.
+
+    Args:
+        count: GPUs per host.
+        name: product name (for the printout).
+        hbm_capacity: HBM per GPU.
+        hbm_bandwidth_gbs: HBM bandwidth per GPU, GB/s.
+        hbm_latency_ns: HBM access latency.
+        host_link_gbs: GPU <-> host memory bandwidth per GPU (PCIe), GB/s: rows in DRAM or on
+            a storage tier reach the GPU at most this fast.
+    """
+
+    count: int = 8
+    name: str = ""
+    hbm_capacity: str = "80GB"
+    hbm_bandwidth_gbs: float = 2000.0
+    hbm_latency_ns: float = 500.0
+    host_link_gbs: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"GpuConfig.count must be >= 1, got {self.count}")
+        parse_size(self.hbm_capacity, "gpu.hbm_capacity")
+        _positive(self, ("hbm_bandwidth_gbs", "hbm_latency_ns", "host_link_gbs"))
+
+    @property
+    def hbm_bytes(self) -> int:
+        return parse_size(self.hbm_capacity, "gpu.hbm_capacity")
+
+
+@dataclass
+class ComputeConfig:
+    """Cost of TorchRec's fused embedding kernel (forward + backward + fused optimizer) on the
+    device that computes the embeddings (the GPU, or the CPU cores of one rank).
+
+    Step time of one table shard: ``table_overhead_us + lookups * lookup_ns + bytes /
+    bandwidth_gbs``, bytes being the rows' values read in forward, the gradients in backward and
+    the updated rows with their optimizer state (see ``perf_model``).
+
+    Args:
+        step_overhead_us: fixed cost per training step of one rank's sharded embedding module
+            (input and output distribution, Python).
+        table_overhead_us: fixed cost per table shard per step.
+        lookup_ns: cost per looked-up id independent of the row size.
+        bandwidth_gbs: effective bandwidth at which the kernel moves embedding values, GB/s.
+        source: where the figures come from.
+    """
+
+    step_overhead_us: float = 100.0
+    table_overhead_us: float = 10.0
+    lookup_ns: float = 1.0
+    bandwidth_gbs: float = 10.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, ("step_overhead_us", "table_overhead_us", "lookup_ns"), allow_zero=True)
+        _positive(self, ("bandwidth_gbs",))
+
+
+@dataclass
+class CacheManagerConfig:
+    """Cost of the row cache in front of a storage tier, per table shard and step: mapping ids
+    to slots, choosing victims, and copying loaded / evicted rows in and out of the slots.
+
+    Args:
+        table_overhead_us: fixed cost per cached table shard per step.
+        lookup_ns: per looked-up id (splitting the batch per table, de-duplicating).
+        unique_ns: per distinct id (slot map lookup, policy update).
+        miss_ns: per missed row (victim choice, slot bookkeeping, gather/scatter of the row).
+        slot_ns: per cache slot, in steps that evict: choosing victims scans the policy's
+            state of every slot, so a bigger cache costs time as well as memory.
+        source: where the figures come from.
+    """
+
+    table_overhead_us: float = 100.0
+    lookup_ns: float = 10.0
+    unique_ns: float = 50.0
+    miss_ns: float = 500.0
+    slot_ns: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            ("table_overhead_us", "lookup_ns", "unique_ns", "miss_ns", "slot_ns"),
+            allow_zero=True,
+        )
+
+
+@dataclass
+class NetworkConfig:
+    """Links between ranks.
+
+    Args:
+        intra_host_gbs: per-rank bandwidth to the other ranks of its host (NVLink; shared
+            memory for CPU ranks), GB/s.
+        inter_host_gbs: per-host network bandwidth (sum of its NICs), GB/s; ranks share it.
+    """
+
+    intra_host_gbs: float = 50.0
+    inter_host_gbs: float = 12.5
+
+    def __post_init__(self) -> None:
+        _positive(self, ("intra_host_gbs", "inter_host_gbs"))
+
+
+@dataclass
+class HostTopology:
+    """One host's memory hierarchy, compute and links, plus where this run puts the tier files.
+
+    Args:
+        name: preset name.
+        description: one line for the printout.
+        ranks_per_host: training processes per host (one per GPU on GPU hosts).
+        dram: host memory.
+        dram_reserved: host memory kept for everything but embedding tables (dense model,
+            batches, framework), per host.
+        byte_scm: the byte-addressable storage tier, if the host has one.
+        block_scm: the block-addressable storage tier, if the host has one.
+        gpu: the GPUs, if any; without, embeddings are computed on the CPU from DRAM.
+        compute: cost of the fused embedding kernel on the compute device.
+        cache_manager: cost of the cache in front of a storage tier.
+        network: links between ranks.
+        tier_root / dirs / block_size: where the tiered kernel keeps its files on this host
+            (read by the DLRM app; see ``TierStorage``).
+    """
+
+    name: str = "unnamed"
+    description: str = ""
+    ranks_per_host: int = 1
+    dram: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    dram_reserved: str = "0B"
+    byte_scm: MemoryTierConfig | None = None
+    block_scm: BlockTierConfig | None = None
+    gpu: GpuConfig | None = None
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    cache_manager: CacheManagerConfig = field(default_factory=CacheManagerConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    tier_root: str = "runs/tiers"
+    dirs: dict[str, str] = field(default_factory=dict)
+    block_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be >= 1, got {self.ranks_per_host}")
+        if self.gpu is not None and self.ranks_per_host != self.gpu.count:
+            raise ValueError(
+                f"host {self.name!r}: ranks_per_host ({self.ranks_per_host}) must equal "
+                f"gpu.count ({self.gpu.count}): each GPU is one rank"
+            )
+        reserved = parse_size(self.dram_reserved, "dram_reserved")
+        if reserved >= self.dram.capacity_bytes:
+            raise ValueError(
+                f"host {self.name!r}: dram_reserved ({self.dram_reserved}) leaves no DRAM of "
+                f"{self.dram.capacity} for embeddings"
+            )
+        for name in self.dirs:
+            Tier.parse(name)
+
+    # ------------------------------------------------------------------------ derived views
+
+    @property
+    def compute_device(self) -> str:
+        """``cuda`` on GPU hosts, ``cpu`` otherwise (TorchRec's compute device names)."""
+        return "cuda" if self.gpu is not None else "cpu"
+
+    @property
+    def cache_tier(self) -> Tier:
+        """Where the caches of tiered tables live: the compute device's memory."""
+        return Tier.HBM if self.gpu is not None else Tier.DRAM
+
+    def tiers(self) -> tuple[Tier, ...]:
+        """Tiers this host has, fastest first."""
+        out = [Tier.HBM] if self.gpu is not None else []
+        out.append(Tier.DRAM)
+        if self.byte_scm is not None:
+            out.append(Tier.BYTE_SCM)
+        if self.block_scm is not None:
+            out.append(Tier.BLOCK_SCM)
+        return tuple(out)
+
+    def memory(self, tier: Tier) -> MemoryTierConfig:
+        """The config of a host-memory or storage tier (not HBM)."""
+        spec = {Tier.DRAM: self.dram, Tier.BYTE_SCM: self.byte_scm, Tier.BLOCK_SCM: self.block_scm}
+        found = spec.get(tier)
+        if found is None:
+            raise ValueError(f"host {self.name!r} has no {tier.value} tier")
+        return found
+
+    def host_capacity(self, tier: Tier) -> int:
+        """Bytes of ``tier`` on one host available to embeddings (DRAM less the reservation)."""
+        if tier is Tier.HBM:
+            return 0 if self.gpu is None else self.gpu.hbm_bytes * self.gpu.count
+        if tier not in self.tiers():
+            return 0
+        cap = self.memory(tier).capacity_bytes
+        if tier is Tier.DRAM:
+            cap -= parse_size(self.dram_reserved, "dram_reserved")
+        return cap
+
+    def rank_capacity(self, tier: Tier, local_world_size: int) -> int:
+        """Bytes of ``tier`` one rank may use: HBM per GPU; host tiers split evenly between the
+        ``local_world_size`` ranks of a host (each rank's share is honoured separately)."""
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+        if tier is Tier.HBM:
+            return 0 if self.gpu is None else self.gpu.hbm_bytes
+        return self.host_capacity(tier) // local_world_size
+
+    def without(self, *tiers: Tier) -> HostTopology:
+        """A copy of this host without the given storage tiers (for what-if comparisons)."""
+        out = copy.deepcopy(self)
+        for tier in tiers:
+            if tier is Tier.BYTE_SCM:
+                out.byte_scm = None
+            elif tier is Tier.BLOCK_SCM:
+                out.block_scm = None
+            else:
+                raise ValueError(f"only storage tiers can be removed, not {tier.value}")
+        return out
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def topology_from_config(node: DictConfig | Mapping[str, Any]) -> HostTopology:
+    """Validates a hardware config (e.g. the app's ``cfg.hardware``) against the schema.
+
+    Raises:
+        ValueError: naming the offending key for unknown keys, wrong types or invalid values.
+    """
+    schema = OmegaConf.structured(HostTopology)
+    try:
+        # Resolve in place first: a node of a composed config (``cfg.hardware``) interpolates
+        # keys of its parents (``${run.dir}``), which a detached merge could not see.
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+        merged = OmegaConf.merge(schema, data)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # carries the full key of the offending value
+        raise ValueError(f"invalid hardware config: {e}") from None
+    if not isinstance(obj, HostTopology):
+        raise TypeError(f"hardware config built a {type(obj).__name__}, not HostTopology")
+    return obj
+
+
+def available_presets(conf_dir: str | Path | None = None) -> list[str]:
+    """Names of the hardware presets in ``conf/hardware``."""
+    root = Path(conf_dir) if conf_dir is not None else CONF_DIR
+    return sorted(p.stem for p in (root / "hardware").glob("*.yaml"))
+
+
+def load_topology(
+    name: str, overrides: Sequence[str] = (), conf_dir: str | Path | None = None
+) -> HostTopology:
+    """Composes ``conf/config.yaml`` with ``hardware=<name>`` (so interpolations such as the
+    run directory resolve as in the app) and validates its ``hardware`` node.
+
+    Args:
+        name: preset name (a file in ``conf/hardware``).
+        overrides: further Hydra overrides, e.g. ``["hardware.dram.capacity=64GiB"]``.
+        conf_dir: config directory (default: the repository's ``conf/``).
+
+    Raises:
+        ValueError: for an unknown preset (listing the available ones) or an invalid one.
+    """
+    from hydra import compose, initialize_config_dir
+
+    root = Path(conf_dir).resolve() if conf_dir is not None else CONF_DIR
+    presets = available_presets(root)
+    if name not in presets:
+        raise ValueError(f"unknown hardware preset {name!r}; available: {', '.join(presets)}")
+    with initialize_config_dir(config_dir=str(root), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"hardware={name}", *overrides])
+    return topology_from_config(cfg.hardware)
+
+
+def register_configs(group: str = "hardware") -> None:
+    """Stores the schema in Hydra's ConfigStore as ``<group>/schema``, so a preset can extend it
+    with ``defaults: [schema]`` and be type-checked at composition time."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group=group, name="schema", node=HostTopology)
