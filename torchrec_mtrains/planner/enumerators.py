@@ -1,0 +1,237 @@
+"""Enumerates where each table may go, behind TorchRec's ``Enumerator``.
+
+For every shardable table of every module a sharder handles (walked as TorchRec's
+``EmbeddingEnumerator`` does), one option per (sharding type, placement) the sharder and the
+host allow:
+
+* kernels: TorchRec's ``FUSED`` (rows in HBM on GPU hosts, in DRAM on CPU hosts),
+  ``FUSED_UVM`` (DRAM rows read by the GPU) and ``FUSED_UVM_CACHING`` (DRAM rows behind an HBM
+  cache), and the tiered kernel once per storage tier the host has. Kernels the perf model does
+  not know (key-value, virtual tables, quantized) are not offered.
+* sharding: table-wise; with more than one rank also one split: row-wise where the sharder
+  offers it (GPU hosts), else column-wise into at most ``world_size`` equal slices of a
+  multiple of 4 columns (TorchRec's CPU kernels need it).
+
+Shard geometry comes from TorchRec's ``calculate_shard_sizes_and_offsets``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.enumerators import get_partition_by_type
+from torchrec.distributed.planner.types import Enumerator, Shard, ShardingOption
+from torchrec.distributed.planner.utils import sharder_name
+from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
+from torchrec.distributed.types import ModuleSharder, ShardingType
+
+from torchrec_mtrains.distributed.options import TIERED_KERNEL
+from torchrec_mtrains.planner.access import TableAccess, from_profile, uniform_access
+from torchrec_mtrains.planner.perf_model import Placement
+from torchrec_mtrains.planner.shard_estimators import TieredShardEstimator, optimizer_state_width
+from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
+from torchrec_mtrains.profiler.types import AccessProfile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TieredEnumerator", "kernel_for"]
+
+_TW = ShardingType.TABLE_WISE.value
+_RW = ShardingType.ROW_WISE.value
+_CW = ShardingType.COLUMN_WISE.value
+_FUSED = EmbeddingComputeKernel.FUSED.value
+_UVM = EmbeddingComputeKernel.FUSED_UVM.value
+_UVM_CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+
+
+def kernel_for(placement: Placement, on_gpu: bool) -> str:
+    """The compute kernel name a placement uses in a TorchRec plan."""
+    if placement is Placement.FUSED_HBM:
+        return _FUSED
+    if placement is Placement.FUSED_DRAM:
+        return _UVM if on_gpu else _FUSED
+    if placement is Placement.CACHED_DRAM:
+        return _UVM_CACHING
+    return TIERED_KERNEL
+
+
+def _placements(kernel: str, context: PlanningContext) -> list[Placement]:
+    host = context.host
+    on_gpu = host.gpu is not None
+    if kernel == _FUSED:
+        return [Placement.FUSED_HBM if on_gpu else Placement.FUSED_DRAM]
+    if kernel == _UVM and on_gpu:
+        return [Placement.FUSED_DRAM]
+    if kernel == _UVM_CACHING and on_gpu:
+        return [Placement.CACHED_DRAM]
+    if kernel == TIERED_KERNEL:
+        out = []
+        if host.byte_scm is not None:
+            out.append(Placement.CACHED_BYTE_SCM)
+        if host.block_scm is not None:
+            out.append(Placement.CACHED_BLOCK_SCM)
+        return out
+    return []
+
+
+class TieredEnumerator(Enumerator):  # type: ignore[misc]
+    """Lists the sharding options of every table (see the module docstring).
+
+    Args:
+        context: the planning context; its ``access`` is filled here, per table, from
+            ``profile``, ``access`` overrides or the uniform fallback (logged and labelled).
+        estimator: fills the options' demand and perf.
+        profile: measured access profile, or ``None``.
+        access: per-table access statistics that take precedence (e.g. stated Zipf skews).
+        poolings: ids per sample of tables without a profile (default: the config's).
+    """
+
+    def __init__(
+        self,
+        context: PlanningContext,
+        estimator: TieredShardEstimator,
+        profile: AccessProfile | None = None,
+        access: dict[str, TableAccess] | None = None,
+        poolings: dict[str, float] | None = None,
+    ) -> None:
+        self.context = context
+        self.estimator = estimator
+        self.profile = profile
+        self.overrides = dict(access or {})
+        self.poolings = dict(poolings or {})
+        self.assumed_uniform: list[str] = []
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _access(self, name: str, rows: int, dim: int) -> TableAccess:
+        if name in self.overrides:
+            found = self.overrides[name]
+        elif self.profile is not None and name in self.profile:
+            found = from_profile(self.profile[name])
+        else:
+            pooling = self.poolings.get(name, self.context.config.default_pooling)
+            found = uniform_access(name, rows, dim, pooling, self.context.samples_per_step)
+            self.assumed_uniform.append(name)
+        if found.num_rows != rows:
+            raise ValueError(
+                f"table {name!r} has {rows} rows but its access statistics describe "
+                f"{found.num_rows}: profile the model being planned"
+            )
+        return found
+
+    def _split_type(self, sharder: ModuleSharder[nn.Module], rows: int, cols: int) -> str | None:
+        ctx = self.context
+        if ctx.world_size == 1 or not ctx.config.split_tables:
+            return None
+        offered = sharder.sharding_types(ctx.host.compute_device)
+        if _RW in offered and rows >= ctx.world_size:
+            return _RW
+        if _CW in offered and self._cw_shards(cols) > 1:
+            return _CW
+        return None
+
+    def _cw_shards(self, cols: int) -> int:
+        best = 1
+        for n in range(2, self.context.world_size + 1):
+            if cols % n == 0 and (cols // n) % 4 == 0:
+                best = n
+        return best
+
+    def _geometry(
+        self, param: torch.Tensor, sharding_type: str
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        ctx = self.context
+        rows, cols = int(param.shape[0]), int(param.shape[1])
+        if sharding_type == _CW:
+            n = self._cw_shards(cols)
+            width = cols // n
+            return [[rows, width]] * n, [[0, width * i] for i in range(n)]
+        sizes, offsets = calculate_shard_sizes_and_offsets(
+            tensor=param,
+            world_size=ctx.world_size,
+            local_world_size=ctx.local_world_size,
+            sharding_type=sharding_type,
+        )
+        return [list(s) for s in sizes], [list(o) for o in offsets]
+
+    # --------------------------------------------------------------------- TorchRec API
+
+    def enumerate(
+        self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
+    ) -> list[ShardingOption]:
+        ctx = self.context
+        device = ctx.host.compute_device
+        sharder_map = {sharder_name(s.module_type): s for s in sharders}
+        options: list[ShardingOption] = []
+        self.assumed_uniform = []
+        queue: list[tuple[str, nn.Module]] = [("", module)]
+        while queue:
+            path, child = queue.pop(0)
+            sharder = sharder_map.get(sharder_name(type(child)))
+            if sharder is None:
+                for n, m in child.named_children():
+                    queue.append((f"{path}.{n}" if path else n, m))
+                continue
+            pooled = ShardingOption.module_pooled(child, path)
+            fused_params: dict[str, Any] | None = getattr(sharder, "fused_params", None)
+            for name, param in sharder.shardable_parameters(child).items():
+                rows, cols = int(param.shape[0]), int(param.shape[1])
+                access = self._access(name, rows, cols)
+                ctx.access[name] = access
+                state = optimizer_state_width(fused_params, cols)
+                types = [_TW]
+                split = self._split_type(sharder, rows, cols)
+                if split is not None:
+                    types.append(split)
+                per_table: list[ShardingOption] = []
+                for sharding_type in types:
+                    if sharding_type not in sharder.sharding_types(device):
+                        continue
+                    sizes, offsets = self._geometry(param, sharding_type)
+                    for kernel in sharder.compute_kernels(sharding_type, device):
+                        for placement in _placements(kernel, ctx):
+                            per_table.append(
+                                TieredShardingOption(
+                                    placement=placement,
+                                    access=access,
+                                    table_rows=rows,
+                                    table_cols=cols,
+                                    state_width=state,
+                                    element_bytes=param.element_size(),
+                                    name=name,
+                                    tensor=param,
+                                    module=(path, child),
+                                    input_lengths=[access.accesses_per_sample],
+                                    batch_size=ctx.batch_size,
+                                    sharding_type=sharding_type,
+                                    partition_by=get_partition_by_type(sharding_type),
+                                    compute_kernel=kernel,
+                                    shards=[
+                                        Shard(size=s, offset=o) for s, o in zip(sizes, offsets)
+                                    ],
+                                    is_pooled=pooled,
+                                )
+                            )
+                if not per_table:
+                    raise ValueError(
+                        f"table {name!r}: sharder {type(sharder).__name__} offers no kernel the "
+                        f"tiered planner can place on {device} (offered for table-wise: "
+                        f"{sharder.compute_kernels(_TW, device)}); build the sharder with "
+                        "offer_tiered_kernel=True"
+                    )
+                options.extend(per_table)
+        if self.assumed_uniform:
+            logger.info(
+                "no access profile for %d table(s): assuming uniform access (%s)",
+                len(self.assumed_uniform),
+                ", ".join(self.assumed_uniform),
+            )
+        self.populate_estimates(options)
+        return options
+
+    def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
+        self.estimator.estimate(sharding_options)

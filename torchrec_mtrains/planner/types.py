@@ -1,0 +1,297 @@
+"""Shared types of the tiered planner: its config, the planning context, sharding options that
+know their tier and cache, and the error raised when nothing fits.
+
+TorchRec's planner types are reused as they are (``ShardingOption``, ``Shard``, ``Storage``,
+``Perf``, ``PlannerError``); what TorchRec cannot express is added beside them: a placement on
+one of five memory placements, a cache size per shard and a demand per tier (TorchRec's
+``Storage`` has only ``hbm`` / ``ddr`` / ``ssd``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from torchrec.distributed.planner.types import (
+    PlannerError,
+    PlannerErrorType,
+    ShardingOption,
+)
+
+from torchrec_mtrains.cache.policies import POLICIES
+from torchrec_mtrains.planner.access import TableAccess
+from torchrec_mtrains.planner.perf_model import Placement, StepTime
+from torchrec_mtrains.planner.topology import HostTopology, format_size
+from torchrec_mtrains.types import Tier
+
+__all__ = [
+    "PlacementError",
+    "PlacementReport",
+    "PlannerConfig",
+    "PlanningContext",
+    "TieredShardingOption",
+]
+
+
+@dataclass
+class PlannerConfig:
+    """Knobs of the tiered planner (Hydra group ``planner``, preset ``conf/planner/tiered.yaml``).
+
+    Args:
+        name: preset name (the app dispatches on it).
+        cache_policy: eviction policy of tiered tables' caches (``lru`` or ``lfu``).
+        cache_headroom: fraction of each rank's cache memory (HBM on GPU hosts, DRAM on CPU
+            hosts) the cache sizing leaves free, for allocator slack and batch buffers.
+        min_cache_factor: a cache holds at least this many times a step's expected distinct
+            ids: every row of a batch must be resident at once, and batches vary.
+        min_cache_rows: and at least this many rows.
+        cache_steps: increments in which the greedy sizing hands out each rank's cache memory.
+        overlap_tier_io: the training loop prefetches the next batch's rows while the current
+            one computes (cDLRM look-ahead): a rank's step is the longer of the two, not the sum.
+        default_pooling: ids per sample assumed for tables without a profile.
+        split_tables: offer row-wise (GPU hosts) or column-wise (CPU hosts) sharding of tables,
+            for tables too big for one rank and to spread a hot table's load.
+        balance_rounds: after a plan fits, how many times to try splitting the busiest rank's
+            heaviest table to shorten the step.
+        profile: path of an access profile JSON (``python -m torchrec_mtrains.profile``);
+            empty for none.
+    """
+
+    name: str = "tiered"
+    cache_policy: str = "lru"
+    cache_headroom: float = 0.05
+    min_cache_factor: float = 2.0
+    min_cache_rows: int = 1024
+    cache_steps: int = 256
+    overlap_tier_io: bool = False
+    default_pooling: float = 1.0
+    split_tables: bool = True
+    balance_rounds: int = 8
+    profile: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cache_policy not in POLICIES:
+            raise ValueError(
+                f"cache_policy {self.cache_policy!r} unknown; expected one of {sorted(POLICIES)}"
+            )
+        if not 0.0 <= self.cache_headroom < 1.0:
+            raise ValueError(f"cache_headroom must be in [0, 1), got {self.cache_headroom}")
+        if self.min_cache_factor < 1.0:
+            raise ValueError(f"min_cache_factor must be >= 1, got {self.min_cache_factor}")
+        for name in ("min_cache_rows", "cache_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.balance_rounds < 0:
+            raise ValueError(f"balance_rounds must be >= 0, got {self.balance_rounds}")
+        if self.default_pooling <= 0 or not math.isfinite(self.default_pooling):
+            raise ValueError(f"default_pooling must be positive, got {self.default_pooling}")
+
+    @classmethod
+    def from_mapping(cls, node: Mapping[str, Any]) -> PlannerConfig:
+        """Builds the config from a mapping (e.g. the app's ``cfg.planner``); unknown keys
+        raise ``ValueError`` listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(node) - known)
+        if unknown:
+            raise ValueError(f"unknown planner keys {unknown}; known: {sorted(known)}")
+        return cls(**{str(k): v for k, v in node.items()})
+
+
+@dataclass
+class PlanningContext:
+    """Everything the enumerator, estimator, proposer and partitioner share for one plan.
+
+    Args:
+        host: the topology of every host.
+        world_size: ranks in the job.
+        local_world_size: ranks per host.
+        batch_size: samples per rank per step.
+        config: planner knobs.
+        access: access statistics by table name, filled by the enumerator.
+    """
+
+    host: HostTopology
+    world_size: int
+    local_world_size: int
+    batch_size: int
+    config: PlannerConfig = field(default_factory=PlannerConfig)
+    access: dict[str, TableAccess] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"world_size and batch_size must be >= 1, got {self.world_size}, {self.batch_size}"
+            )
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise ValueError(
+                f"local_world_size must be in [1, world_size={self.world_size}], got "
+                f"{self.local_world_size}"
+            )
+        if self.host.gpu is not None and self.local_world_size > self.host.gpu.count:
+            raise ValueError(
+                f"host {self.host.name!r} has {self.host.gpu.count} GPUs; cannot run "
+                f"{self.local_world_size} ranks on it"
+            )
+
+    @property
+    def samples_per_step(self) -> int:
+        """The global batch: every table-wise shard serves all of it."""
+        return self.batch_size * self.world_size
+
+    @property
+    def num_hosts(self) -> int:
+        return -(-self.world_size // self.local_world_size)
+
+    def capacity(self, tier: Tier) -> int:
+        """Bytes of ``tier`` each rank may use."""
+        return self.host.rank_capacity(tier, self.local_world_size)
+
+    def tiers(self) -> tuple[Tier, ...]:
+        return self.host.tiers()
+
+
+class TieredShardingOption(ShardingOption):  # type: ignore[misc]
+    """A TorchRec ``ShardingOption`` that also knows where its rows live, each shard's cache
+    size, per-tier demand and step-time breakdown.
+
+    Args:
+        placement: where the rows live and how they are computed.
+        access: the table's access statistics (shared, never copied).
+        table_rows / table_cols: the whole table's shape (shards may be parts of it).
+        state_width: optimizer-state values per row.
+        element_bytes: bytes per stored value.
+        **kwargs: TorchRec's ``ShardingOption`` arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        placement: Placement,
+        access: TableAccess,
+        table_rows: int,
+        table_cols: int,
+        state_width: int,
+        element_bytes: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.placement = placement
+        self.access = access
+        self.table_rows = table_rows
+        self.table_cols = table_cols
+        self.state_width = state_width
+        self.element_bytes = element_bytes
+        self.cache_rows: list[int] = [0] * len(self.shards)
+        self.hit_rates: list[float] = [0.0] * len(self.shards)
+        self.demands: list[dict[Tier, int]] = [{} for _ in self.shards]
+        self.step_times: list[StepTime] = [StepTime() for _ in self.shards]
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), self.placement, tuple(self.cache_rows)))
+
+    def __deepcopy__(self, memo: dict[int, Any] | None) -> TieredShardingOption:
+        cls = self.__class__
+        result = cls.__new__(cls)
+        for k, v in self.__dict__.items():
+            shared = k in ("_tensor", "_module", "access")
+            setattr(result, k, v if shared else copy.deepcopy(v, memo))
+        return result
+
+    @property
+    def cache_load_factor_value(self) -> float:
+        """The cache as a fraction of rows, one value for all shards (the smallest)."""
+        factors = [c / s.size[0] for c, s in zip(self.cache_rows, self.shards) if s.size[0] > 0]
+        return min(factors) if factors else 0.0
+
+    def total_demand(self) -> dict[Tier, int]:
+        out: dict[Tier, int] = {}
+        for demand in self.demands:
+            for tier, nbytes in demand.items():
+                out[tier] = out.get(tier, 0) + nbytes
+        return out
+
+    def critical_time(self, overlap_tier_io: bool) -> float:
+        return sum(t.critical(overlap_tier_io) for t in self.step_times)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.sharding_type}, {self.placement.value})"
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    """Demand against capacity per tier and rank for a placement that does not fit.
+
+    Args:
+        capacity: bytes per rank of each tier.
+        demand: per rank, bytes asked of each tier by the shards placed there (shards that fit
+            nowhere are charged to the rank with the most room in their largest demand).
+        unplaced: descriptions of the shards that fit on no rank.
+        world_size / local_world_size: the job's shape.
+    """
+
+    capacity: Mapping[Tier, int]
+    demand: tuple[Mapping[Tier, int], ...]
+    unplaced: tuple[str, ...]
+    world_size: int
+    local_world_size: int
+
+    def over(self) -> list[tuple[Tier, int]]:
+        """(tier, rank) pairs whose demand exceeds capacity."""
+        return [
+            (tier, rank)
+            for tier, cap in self.capacity.items()
+            for rank, d in enumerate(self.demand)
+            if d.get(tier, 0) > cap
+        ]
+
+    def format(self, max_rows: int = 32) -> str:
+        over = set(self.over())
+        header = f"{'tier':<10} {'rank':>5} {'demand':>12} {'capacity':>12}  status"
+        lines = [header, "-" * len(header)]
+        shown = 0
+        hidden = 0
+        for tier, cap in self.capacity.items():
+            demand_total = sum(d.get(tier, 0) for d in self.demand)
+            if demand_total == 0 and cap == 0:
+                continue
+            for rank, d in enumerate(self.demand):
+                used = d.get(tier, 0)
+                is_over = (tier, rank) in over
+                if shown >= max_rows and not is_over:
+                    hidden += 1
+                    continue
+                shown += 1
+                status = f"OVER by {format_size(used - cap)}" if is_over else "ok"
+                lines.append(
+                    f"{tier.value:<10} {rank:>5} {format_size(used):>12} "
+                    f"{format_size(cap):>12}  {status}"
+                )
+            lines.append(
+                f"{tier.value:<10} {'all':>5} {format_size(demand_total):>12} "
+                f"{format_size(cap * self.world_size):>12}"
+            )
+        if hidden:
+            lines.append(f"({hidden} more tier/rank rows within capacity not shown)")
+        return "\n".join(lines)
+
+
+class PlacementError(PlannerError):  # type: ignore[misc]
+    """No placement of the tables fits the ranks' tiers; the message lists demand against
+    capacity per tier and rank for the most compact placement tried."""
+
+    def __init__(self, report: PlacementReport, reason: str = "") -> None:
+        self.report = report
+        unplaced = ""
+        if report.unplaced:
+            unplaced = "\nshards that fit on no rank:\n  " + "\n  ".join(report.unplaced)
+        message = (
+            f"no placement of the embedding tables fits {report.world_size} rank(s) "
+            f"({report.local_world_size} per host){': ' + reason if reason else ''}.\n"
+            "Demand against capacity per tier and rank (most compact placement tried):\n"
+            f"{report.format()}{unplaced}\n"
+            "Add ranks or hosts, add a storage tier, or shrink the tables."
+        )
+        super().__init__(message, PlannerErrorType.INSUFFICIENT_STORAGE)
