@@ -312,6 +312,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             unwritable ``run.dir``, a run directory that already holds a run).
     """
     threads = int(cfg.run.get("num_threads", 0))
+    caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     rank, world, created = init_distributed()
@@ -322,6 +323,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     finally:
         if created:
             dist.destroy_process_group()
+        torch.set_num_threads(caller_threads)
 
 
 @contextlib.contextmanager
@@ -355,6 +357,11 @@ def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path]
 
 def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
+    if int(cfg.pipeline.get("lookahead", 0)) != 0:
+        raise ConfigError(
+            f"pipeline.lookahead={cfg.pipeline.lookahead}: the look-ahead prefetch pipeline is not "
+            "wired into this app yet; use pipeline.lookahead=0 (the plain training loop)."
+        )
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     last = _resume_point(cfg, run_dir, rank)

@@ -262,3 +262,8 @@ def test_ranks_are_balanced_largest_table_first() -> None:
     assert abs(load[0] - load[1]) <= max(table_bytes(c) for c in configs) // 2
     # the three largest tables do not all land on one rank
     assert {ranks["t0"], ranks["t1"], ranks["t2"]} == {0, 1}
+
+
+def test_lookahead_is_refused_until_the_pipeline_exists(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pipeline\.lookahead=2"):
+        main(config(tmp_path / "run", "pipeline.lookahead=2"))
