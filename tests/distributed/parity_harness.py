@@ -159,28 +159,24 @@ def min_cache_rows(seed: int, world_size: int, sharding: str) -> list[tuple[int,
 
     A shard sees the ids of every rank's batch that fall in its rows (TorchRec's input
     distribution routes them to it), so this is the smallest cache that holds one batch."""
-    rows = ROWS[TIERED_TABLE]
-    out = []
-    for lo, hi in row_ranges(sharding, rows, world_size):
-        need = 0
-        for step in range(STEPS):
-            ids = table_ids(seed, world_size, step, TIERED_TABLE)
-            need = max(need, int(torch.unique(ids[(ids >= lo) & (ids < hi)]).numel()))
-        out.append((hi - lo, need))
-    return out
+    return [
+        (hi - lo, shard_expectations(seed, world_size, lo, hi)[2])
+        for lo, hi in row_ranges(sharding, ROWS[TIERED_TABLE], world_size)
+    ]
 
 
-def shard_expectations(seed: int, world_size: int, lo: int, hi: int) -> tuple[int, int]:
+def shard_expectations(seed: int, world_size: int, lo: int, hi: int) -> tuple[int, int, int]:
     """For the tiered table's rows ``[lo, hi)``: the unique ids summed over the steps (what the
-    shard's cache must count as lookups) and the distinct ids over all steps (rows it must read
-    at least once)."""
-    lookups, seen = 0, torch.zeros(0, dtype=torch.int64)
+    shard's cache must count as lookups), the distinct ids over all steps (rows it must read at
+    least once) and the most unique ids of one step (the smallest cache that works)."""
+    lookups, need, seen = 0, 0, torch.zeros(0, dtype=torch.int64)
     for step in range(STEPS):
         ids = table_ids(seed, world_size, step, TIERED_TABLE)
         unique = torch.unique(ids[(ids >= lo) & (ids < hi)])
         lookups += int(unique.numel())
+        need = max(need, int(unique.numel()))
         seen = torch.unique(torch.cat([seen, unique]))
-    return lookups, int(seen.numel())
+    return lookups, int(seen.numel()), need
 
 
 def cache_load_factor(case: ParityCase, world_size: int) -> tuple[float, list[int]]:
@@ -473,13 +469,14 @@ def tiered_shards_here(
         for group in groups():
             for key, shard in zip(list(group.stats()), group.shards):
                 lo, hi = shard.row_offset, shard.row_offset + shard.local_rows
-                lookups, distinct = shard_expectations(case.seed, world_size, lo, hi)
+                lookups, distinct, need = shard_expectations(case.seed, world_size, lo, hi)
                 out[key] = {
                     "rows": shard.local_rows,
                     "slots": shard.cache.num_slots,
                     "planned_slots": planned[ranges.index((lo, hi))],
                     "lookups": lookups,
                     "distinct": distinct,
+                    "need": need,
                 }
     return out
 

@@ -89,11 +89,13 @@ def check_result(result: dict[str, Any]) -> None:
     shards: dict[str, dict[str, int]] = result["shards"]
     stats: dict[str, dict[str, float]] = result["stats"]
     assert set(stats) == set(shards), where
-    if shards:
-        assert "TieredEmbeddingBag" in result["kernels"] or "TieredEmbedding" in result["kernels"]
+    kernels = set(result["kernels"])
+    if shards:  # the tiered table is local: a tiered kernel runs it
+        assert kernels & {"TieredEmbeddingBag", "TieredEmbedding"}, where
     for key, shard in shards.items():
         st, what = stats[key], f"{where} shard {key}"
         assert shard["slots"] == shard["planned_slots"], what
+        assert shard["need"] <= shard["slots"], what
         assert st["hits"] + st["misses"] == st["lookups"], what
         assert st["lookups"] == shard["lookups"], what
         assert st["tier_rows_read"] == st["misses"], what
@@ -136,7 +138,12 @@ WS1_CASES = _ws1_cases()
 
 @pytest.mark.parametrize("case", WS1_CASES, ids=lambda c: c.id)
 def test_parity_world_size_1(case: h.ParityCase, tmp_path: Path) -> None:
-    check_result(h.run_case(case, 0, 1, tmp_path).as_dict())
+    result = h.run_case(case, 0, 1, tmp_path).as_dict()
+    check_result(result)
+    # A mixed plan: the FUSED table runs on TorchRec's own kernel beside the tiered one.
+    assert {"BatchedFusedEmbeddingBag", "BatchedFusedEmbedding"} & set(result["kernels"])
+    if case.cache == "min":  # the smallest cache that holds one batch, on every shard
+        assert all(s["slots"] == s["need"] for s in result["shards"].values())
 
 
 # ------------------------------------------------------------------------ world size 2
@@ -193,9 +200,12 @@ def test_parity_world_size_2(
         assert case.id in results, f"rank {rank} did not run {case.id}; failures: {failed}"
         check_result(results[case.id])
     # The tiered table has shards somewhere: on rank 1 only (table-wise) or on both.
-    assert any(results[case.id]["shards"] for results in ws2_results)
+    shards = [s for results in ws2_results for s in results[case.id]["shards"].values()]
+    assert shards
     if case.sharding != "table_wise":
         assert all(results[case.id]["shards"] for results in ws2_results)
+    if case.cache == "min":  # the tightest shard's cache holds exactly its largest batch
+        assert min(s["slots"] - s["need"] for s in shards) == 0
 
 
 # ---------------------------------------------------------------------- statistics
@@ -213,7 +223,7 @@ def test_tier_stats_readable_from_sharded_model(tier: str, tmp_path: Path) -> No
     stats = tie.module.tier_stats()
     assert list(stats) == [h.TIERED_TABLE]  # only the tiered table; the FUSED one has none
     st = stats[h.TIERED_TABLE]
-    lookups, distinct = h.shard_expectations(case.seed, 1, 0, h.ROWS[h.TIERED_TABLE])
+    lookups, distinct, _ = h.shard_expectations(case.seed, 1, 0, h.ROWS[h.TIERED_TABLE])
     assert st["hits"] + st["misses"] == st["lookups"] == lookups
     assert planned[0] < distinct  # the batches touch more rows than the cache holds
     assert st["evictions"] > 0
