@@ -96,6 +96,7 @@ class ParityCase:
         cache: ``min`` (the largest unique-id count of one batch on a shard), ``mid`` or
             ``full`` (the whole shard).
         seed: seeds the batches.
+        policy: the cache's eviction policy.
     """
 
     kind: str
@@ -104,10 +105,12 @@ class ParityCase:
     tier: str
     cache: str
     seed: int = 0
+    policy: str = "lru"
 
     @property
     def id(self) -> str:
-        return f"{self.kind}-{self.sharding}-{self.optimizer}-{self.tier}-{self.cache}"
+        name = f"{self.kind}-{self.sharding}-{self.optimizer}-{self.tier}-{self.cache}"
+        return name if self.policy == "lru" else f"{name}-{self.policy}"
 
 
 # ------------------------------------------------------------------------------ batches
@@ -276,7 +279,9 @@ def build_model(
     )
     if tiered:
         factor, _ = cache_load_factor(case, world_size)
-        options = TieredTableOptions(tier=case.tier, cache_load_factor=factor)
+        options = TieredTableOptions(
+            tier=case.tier, cache_load_factor=factor, cache_policy=case.policy
+        )
         plan[TIERED_TABLE] = TieredParameterSharding.wrap(plan[TIERED_TABLE], options)
     torch.manual_seed(1234)
     return DistributedModelParallel(

@@ -118,7 +118,7 @@ def check_result(result: dict[str, Any]) -> None:
 
 def _ws1_cases() -> list[h.ParityCase]:
     """Every kind x sharding x optimizer x tier at the smallest and the whole cache, plus the
-    middle cache size with the tier rotating over the optimizers."""
+    middle cache size with the tier rotating over the optimizers, and LFU caches."""
     cases = [
         h.ParityCase(kind=k, sharding=s, optimizer=o, tier=t, cache=c)
         for k, s, o, t, c in itertools.product(
@@ -130,6 +130,11 @@ def _ws1_cases() -> list[h.ParityCase]:
     ):
         tier = TIER_NAMES[(o_idx + s_idx) % len(TIER_NAMES)]
         cases.append(h.ParityCase(kind, optimizer, sharding, tier, "mid"))
+    # LFU evicts other rows than LRU: the same results, through other write-backs.
+    for kind, (s_idx, sharding) in itertools.product(h.KINDS, enumerate(h.SHARDINGS)):
+        tier = TIER_NAMES[s_idx % len(TIER_NAMES)]
+        for cache in ("min", "mid"):
+            cases.append(h.ParityCase(kind, "rowwise_adagrad", sharding, tier, cache, policy="lfu"))
     return cases
 
 
