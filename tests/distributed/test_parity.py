@@ -452,13 +452,17 @@ def test_cache_sized_to_one_batch_is_enough(tmp_path: Path) -> None:
     assert model.module.tier_stats()["b"]["misses"] == 12
 
 
-def test_missing_tier_directory_fails_at_sharding(tmp_path: Path) -> None:
-    missing = tmp_path / "nonexistent"
+@pytest.mark.parametrize("where", ["absolute", "tmp"])
+def test_missing_tier_directory_fails_at_sharding(where: str, tmp_path: Path) -> None:
+    missing = Path("/nonexistent") if where == "absolute" else tmp_path / "nonexistent"
+    if missing.exists():
+        pytest.skip(f"{missing} exists on this machine")
     case = h.ParityCase(
         kind="ebc", sharding="table_wise", optimizer="sgd", tier="byte_scm", cache="full"
     )
     with pytest.raises(RowStoreError, match=re.escape(str(missing))):
         h.build_model(case, 1, TierStorage(root=str(tmp_path), dirs={"byte_scm": str(missing)}))
+    assert not missing.exists()  # a mount point named in dirs is never created
 
 
 def test_tier_directory_that_is_a_file_fails_at_sharding(tmp_path: Path) -> None:
