@@ -1,0 +1,146 @@
+"""Hardware presets load and validate; the perf model's geometry and monotonicity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from planner_helpers import small_host
+
+from torchrec_mtrains.planner import (
+    HostTopology,
+    Placement,
+    ShardWork,
+    available_presets,
+    load_topology,
+    parse_size,
+    shard_step_time,
+    topology_from_config,
+    zipf_access,
+)
+from torchrec_mtrains.planner.perf_model import (
+    distinct_units,
+    partial_units_per_row,
+    units_per_row,
+)
+from torchrec_mtrains.planner.topology import CONF_DIR
+from torchrec_mtrains.types import Tier
+
+PRESETS = available_presets()
+
+
+def test_the_three_presets_exist() -> None:
+    assert {"local", "gpu_pmem_nvme", "cpu_cxl_nvme"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_loads_and_validates(name: str) -> None:
+    host = load_topology(name)
+    assert isinstance(host, HostTopology)
+    assert Tier.DRAM in host.tiers()
+    assert host.host_capacity(Tier.DRAM) > 0
+    for tier in host.tiers():
+        assert host.rank_capacity(tier, host.ranks_per_host) > 0
+    if host.gpu is not None:
+        assert host.compute_device == "cuda" and host.ranks_per_host == host.gpu.count
+    if host.block_scm is not None:
+        assert host.block_scm.access_bytes == host.block_scm.block_size
+
+
+def test_presets_with_storage_tiers() -> None:
+    gpu = load_topology("gpu_pmem_nvme")
+    assert gpu.byte_scm is not None and gpu.block_scm is not None and gpu.gpu is not None
+    assert gpu.byte_scm.access_bytes == 256  # Optane PMem's media line
+    cpu = load_topology("cpu_cxl_nvme")
+    assert cpu.gpu is None and cpu.byte_scm is not None and cpu.block_scm is not None
+
+
+def test_local_keeps_the_app_keys() -> None:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=["hardware=local"])
+    hw = cfg.hardware
+    assert hw.name == "local" and str(hw.tier_root).endswith("/tiers")
+    assert dict(hw.dirs) == {} and int(hw.block_size) == 4096
+    host = topology_from_config(hw)  # resolves ${run.dir} in place
+    assert host.block_scm is not None and host.block_scm.block_size == 4096
+
+
+def test_invalid_configs_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("12 parsecs")
+    with pytest.raises(ValueError, match="capacity"):
+        topology_from_config({"dram": {"capacity": "lots"}})
+    with pytest.raises(ValueError, match="invalid hardware config"):
+        topology_from_config({"dram": {"capacty": "1GB"}})
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        load_topology("no_such_host")
+    assert parse_size("1.5KiB") == 1536 and parse_size("2GB") == 2 * 10**9
+
+
+def test_block_geometry() -> None:
+    # 4096 B rows aligned to 4096 B blocks: one block each, never partial.
+    assert units_per_row(4096, 4096) == 1.0 and partial_units_per_row(4096, 4096) == 0.0
+    # 260 B rows straddle a boundary with probability ~259/4096 (starts on multiples of 4).
+    assert units_per_row(260, 4096) == pytest.approx(1 + 256 / 4096)
+    assert partial_units_per_row(260, 4096) == pytest.approx(units_per_row(260, 4096))
+    # Against a direct count over packed rows (row i starts at i * row_bytes).
+    for row_bytes in (68, 260, 516, 5000, 5120, 12288):
+        starts = np.arange(4096, dtype=np.int64) * row_bytes
+        first, last = starts // 4096, (starts + row_bytes - 1) // 4096
+        assert units_per_row(row_bytes, 4096) == pytest.approx(float((last - first + 1).mean()))
+    # Rows of one batch sharing blocks share I/O: few rows -> ~no sharing, many -> all blocks.
+    assert distinct_units(10, 1.0, 1e9) == pytest.approx(10, rel=1e-6)
+    assert distinct_units(1e6, 1.0, 100) == pytest.approx(100)
+
+
+def _work(rows: int = 1_000_000, dim: int = 64, unique: float = 2000) -> ShardWork:
+    return ShardWork(
+        rows=rows,
+        cols=dim,
+        state_width=1,
+        element_bytes=4,
+        samples=4096,
+        lookups=4096,
+        unique_rows=unique,
+    )
+
+
+def test_step_time_falls_with_hit_rate_and_block_costs_more_than_byte() -> None:
+    host = small_host()
+    times = [
+        shard_step_time(
+            Placement.CACHED_BLOCK_SCM, _work(), host, cache_rows=10_000, hit_rate=h
+        ).total
+        for h in (0.0, 0.5, 0.9, 1.0)
+    ]
+    assert times == sorted(times, reverse=True)
+    byte = shard_step_time(Placement.CACHED_BYTE_SCM, _work(), host, cache_rows=10_000)
+    block = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), host, cache_rows=10_000)
+    assert block.io > byte.io > 0
+    fused = shard_step_time(Placement.FUSED_DRAM, _work(), host)
+    assert fused.io == 0 and fused.cache == 0 and fused.compute > 0
+
+
+def test_block_read_amplification_counts_blocks_not_bytes() -> None:
+    host = small_host()
+    small = shard_step_time(
+        Placement.CACHED_BLOCK_SCM, _work(dim=15), host, cache_rows=1, hit_rate=0.0
+    )
+    large = shard_step_time(
+        Placement.CACHED_BLOCK_SCM, _work(dim=63), host, cache_rows=1, hit_rate=0.0
+    )
+    # 64 B and 256 B rows both cost about one 4 KiB block each: reads take nearly the same time.
+    assert large.tier_read == pytest.approx(small.tier_read, rel=0.1)
+
+
+def test_zipf_hit_rate_is_monotone_and_skew_helps() -> None:
+    skewed = zipf_access("a", 10_000_000, 1.0, 1.1)
+    uniform = zipf_access("b", 10_000_000, 1.0, 0.0)
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    rates = [skewed.hit_rate(c, 4096) for c in sizes]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(1.0, abs=1e-3)
+    assert skewed.hit_rate(1e5, 4096) > 10 * uniform.hit_rate(1e5, 4096)
+    assert uniform.hit_rate(5e6, 4096) == pytest.approx(0.5, abs=0.02)
+    assert math.isclose(uniform.unique_rows(100), 100, rel_tol=1e-3)
