@@ -468,7 +468,7 @@ def tiered_shards_here(
     ranges = row_ranges(case.sharding, ROWS[TIERED_TABLE], world_size)
     out: dict[str, dict[str, int]] = {}
     for module in model.modules():
-        groups = getattr(module, "_tiered_groups", None)
+        groups = getattr(module, "tiered_groups", None)
         if not callable(groups):
             continue
         for group in groups():

@@ -77,11 +77,12 @@ def build(
     chunk_rows: int = 64,
     big_plan: str = "tw",
     optimizer: OptimType = OptimType.EXACT_ROWWISE_ADAGRAD,
+    hot_rows: dict[str, list[int]] | None = None,
 ) -> DistributedModelParallel:
     tables = tables or _tables()
     storage = TierStorage(root=str(root), checkpoint_chunk_rows=chunk_rows)
     sharder = TieredEmbeddingBagCollectionSharder(
-        storage, fused_params={"optimizer": optimizer, "learning_rate": 0.05}
+        storage, fused_params={"optimizer": optimizer, "learning_rate": 0.05}, hot_rows=hot_rows
     )
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     big = (

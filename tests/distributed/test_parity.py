@@ -410,7 +410,7 @@ def test_cache_too_small_for_one_batch(tier: str, tmp_path: Path) -> None:
     model = _two_table_plan(tmp_path, 0.25, tier)
     model(_kjt([1, 2, 3], [0, 1])).values().sum().backward()
     files, stats = _tier_files(tmp_path), model.module.tier_stats()
-    (group,) = list(model.module._tiered_groups())
+    (group,) = list(model.module.tiered_groups())
     resident = [shard.cache.num_resident for shard in group.shards]
 
     b_ids = [*range(12), 3, 5]
@@ -435,7 +435,7 @@ def test_out_of_range_id_in_one_table_leaves_the_others_untouched(
 ) -> None:
     """The bad id is in b; a (seen first) must not have planned, loaded or counted anything."""
     model = _two_table_plan(tmp_path, 0.1, "byte_scm", tier_b)
-    assert len(list(model.module._tiered_groups())) == (1 if tier_b is None else 2)
+    assert len(list(model.module.tiered_groups())) == (1 if tier_b is None else 2)
     for step in range(4):  # a's 10-row cache fills with dirty rows
         model(_kjt([step * 10 + i for i in range(10)], [step])).values().sum().backward()
     files, stats = _tier_files(tmp_path), model.module.tier_stats()

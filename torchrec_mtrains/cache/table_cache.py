@@ -95,6 +95,9 @@ class TableCache:
         self.pinned = torch.zeros(num_slots, dtype=torch.bool)
         # Reference counts of batches in flight that still need a slot (look-ahead pipeline).
         self.holds = torch.zeros(num_slots, dtype=torch.int32)
+        # pinned | held, kept up to date so the per-batch capacity check is O(batch).
+        self._reserved = torch.zeros(num_slots, dtype=torch.bool)
+        self._num_reserved = 0
         self.stats = CacheStats()
         self._step = 0
 
@@ -123,7 +126,7 @@ class TableCache:
             self.policy.on_access(slots, self._step)
             return CachePlan(slots, empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
 
-        protected = self.pinned | (self.holds > 0)
+        protected = self._reserved.clone()
         protected[slots[hit]] = True
         free = torch.nonzero(self.slot_to_id < 0).flatten()
         load_slots = free[:n_miss]
@@ -162,19 +165,18 @@ class TableCache:
     def _capacity_error(
         self, ids: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor
     ) -> CacheTooSmallError | None:
-        """The error :meth:`plan` raises when the misses of ``ids`` cannot all get a slot."""
+        """The error :meth:`plan` raises when the misses of ``ids`` cannot all get a slot.
+
+        Slots not available to the misses are the reserved ones (pinned or held) and this
+        batch's own hits; free and evictable slots are everything else."""
         n_miss = int(ids.numel()) - int(hit.sum())
         if n_miss == 0:
             return None
-        reserved = self.pinned | (self.holds > 0)
-        protected = reserved.clone()
-        protected[slots[hit]] = True
-        free = int((self.slot_to_id < 0).sum())
-        available = free + int((~protected & (self.slot_to_id >= 0)).sum())
+        hit_unreserved = int((~self._reserved[slots[hit]]).sum())
+        available = self.num_slots - self._num_reserved - hit_unreserved
         if n_miss <= available:
             return None
-        reserved[slots[hit]] = False  # rows of this batch count once, below
-        others = int(reserved.sum())
+        others = self._num_reserved - (int(hit.sum()) - hit_unreserved)
         return CacheTooSmallError(
             f"table {self.table!r}: cache of {self.num_slots} rows cannot hold this batch: "
             f"it needs {int(ids.numel())} unique rows at once while {others} slots are "
@@ -192,15 +194,23 @@ class TableCache:
         self.dirty[slots] = True
 
     def hold(self, slots: torch.Tensor) -> None:
-        """Protects ``slots`` from eviction until a matching :meth:`release`."""
+        """Protects ``slots`` from eviction until a matching :meth:`release` (rows of batches
+        between their forward and backward, or prefetched for a batch not yet run)."""
         self.holds.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self._update_reserved()
 
     def release(self, slots: torch.Tensor) -> None:
         self.holds.index_add_(0, slots, -torch.ones_like(slots, dtype=torch.int32))
+        self._update_reserved()
 
     def pin(self, slots: torch.Tensor) -> None:
         """Makes ``slots`` permanently resident (the profiled hot set)."""
         self.pinned[slots] = True
+        self._update_reserved()
+
+    def _update_reserved(self) -> None:
+        torch.logical_or(self.pinned, self.holds > 0, out=self._reserved)
+        self._num_reserved = int(self._reserved.sum())
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(ids, slots)`` of every resident row."""
@@ -225,6 +235,7 @@ class TableCache:
         self.dirty.zero_()
         self.pinned.zero_()
         self.holds.zero_()
+        self._update_reserved()
         self.policy = make_policy(self.policy.name, self.num_slots)
 
     @property

@@ -133,8 +133,13 @@ class _TieredKernelMixin:
         self.tiers = TieredTableGroup(
             tables=list(config.embedding_tables),
             feature_table_map=list(self._feature_table_map),  # type: ignore[attr-defined]
-            weight_slots=list(self._emb_module.split_embedding_weights()),
-            states=[dict(s) for s in self._emb_module.get_optimizer_state()]
+            # ``.data``: loading rows into slots (possibly from the prefetch thread while another
+            # batch sits between its forward and backward) must not bump the autograd version
+            # of the weights that batch saved; it never touches that batch's slots.
+            weight_slots=[w.data for w in self._emb_module.split_embedding_weights()],
+            states=[
+                {k: v.data for k, v in s.items()} for s in self._emb_module.get_optimizer_state()
+            ]
             or [{} for _ in config.embedding_tables],
             options=options,
             storage=storage,
@@ -180,6 +185,16 @@ class _TieredKernelMixin:
             length_per_key=features.length_per_key(),
             offset_per_key=features.offset_per_key(),
         )
+
+    def _watch_backward(self, out: torch.Tensor) -> torch.Tensor:
+        if out.requires_grad:
+            out.register_hook(self.tiers.backward_started)  # type: ignore[no-untyped-call]
+        return out
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Plans a later batch's rows and starts reading the missing ones (see
+        :meth:`TieredTableGroup.prefetch`); the forward given the same features uses them."""
+        self.tiers.prefetch(features.values(), features.length_per_key())
 
     @property
     def emb_module(self) -> SplitTableBatchedEmbeddingBagsCodegen:
@@ -267,7 +282,8 @@ class TieredEmbeddingBag(
         vbe_output: torch.Tensor | None = None,
         vbe_output_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return cast(torch.Tensor, BaseBatchedEmbeddingBag.forward(self, self._remap(features)))
+        out = BaseBatchedEmbeddingBag.forward(self, self._remap(features))
+        return self._watch_backward(cast(torch.Tensor, out))
 
 
 class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):  # type: ignore[misc]
@@ -287,4 +303,5 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
         self._init_tiers(config, pg, options, storage)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return cast(torch.Tensor, BaseBatchedEmbedding.forward(self, self._remap(features)))
+        out = BaseBatchedEmbedding.forward(self, self._remap(features))
+        return self._watch_backward(cast(torch.Tensor, out))

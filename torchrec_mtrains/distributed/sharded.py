@@ -65,6 +65,12 @@ class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             return TieredEmbeddingBag(config, self._tier_storage, pg, device, sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
+    def prefetch(
+        self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
+    ) -> None:
+        super().prefetch(sparse_features, forward_stream)
+        _prefetch_tiered(self, sparse_features)
+
 
 class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
     """Grouped sequence lookup that builds :class:`TieredEmbedding` for tiered groups."""
@@ -84,6 +90,22 @@ class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
             return TieredEmbedding(config, self._tier_storage, pg, device)
         return super()._create_embedding_kernel(config, pg, device, env)
 
+    def prefetch(
+        self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
+    ) -> None:
+        super().prefetch(sparse_features, forward_stream)
+        _prefetch_tiered(self, sparse_features)
+
+
+def _prefetch_tiered(lookup: Any, sparse_features: KeyedJaggedTensor) -> None:
+    """Hands each tiered kernel of ``lookup`` its part of a later batch's features (TorchRec's
+    lookups only prefetch its own caching kernels)."""
+    if not len(lookup._emb_modules):
+        return
+    for kernel, features in zip(lookup._emb_modules, sparse_features.split(lookup._feature_splits)):
+        if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
+            kernel.prefetch(features)
+
 
 class _TieredShardedMixin:
     """State handling shared by the tiered sharded EBC and EC.
@@ -93,6 +115,7 @@ class _TieredShardedMixin:
 
     _tables_attr: str
     _tier_storage: TierStorage
+    _tier_hot_rows: Mapping[str, Sequence[int]]
     _lookups: Any
     module_sharding_plan: Any
     _model_parallel_name_to_sharded_tensor: dict[str, Any]
@@ -105,7 +128,9 @@ class _TieredShardedMixin:
             if ps.compute_kernel == TIERED_KERNEL
         ]
 
-    def _tiered_groups(self) -> Iterator[TieredTableGroup]:
+    def tiered_groups(self) -> Iterator[TieredTableGroup]:
+        """The tier/cache state of every tiered kernel on this rank (TorchRec hides lookups
+        from ``named_modules()``)."""
         for lookup in self._lookups:
             module = getattr(lookup, "module", lookup)
             for kernel in getattr(module, "_emb_modules", []):
@@ -115,7 +140,7 @@ class _TieredShardedMixin:
     def _tiered_shards(
         self, table: str
     ) -> Iterator[tuple[TieredTableGroup, int, TieredTableShard]]:
-        for group in self._tiered_groups():
+        for group in self.tiered_groups():
             for i, shard in enumerate(group.shards):
                 if shard.name == table:
                     yield group, i, shard
@@ -198,6 +223,16 @@ class _TieredShardedMixin:
             for group, _, shard in self._tiered_shards(name):
                 if shard.created:
                     group.initialize(shard, init_fn, chunk)
+        self._pin_hot_rows()
+
+    def _pin_hot_rows(self) -> None:
+        """Pins each tiered table's profiled hot rows (global ids) in the caches of the shards
+        that hold them."""
+        for name, global_ids in self._tier_hot_rows.items():
+            ids = torch.as_tensor(list(global_ids), dtype=torch.int64)
+            for group, index, shard in self._tiered_shards(name):
+                mine = ids[(ids >= shard.row_offset) & (ids < shard.row_offset + shard.local_rows)]
+                group.pin_hot_rows(index, mine - shard.row_offset)
 
     def _load_tiered_state(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Copies tiered tables out of ``state_dict`` into their tiers, chunk by chunk, and
@@ -230,13 +265,13 @@ class _TieredShardedMixin:
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cache and tier counters per tiered table shard on this rank."""
         out: dict[str, dict[str, float]] = {}
-        for group in self._tiered_groups():
+        for group in self.tiered_groups():
             out.update(group.stats())
         return out
 
     def flush_tiers(self) -> None:
         """Writes every dirty cached row back to its tier and syncs the tiers."""
-        for group in self._tiered_groups():
+        for group in self.tiered_groups():
             group.flush()
 
 
@@ -299,8 +334,15 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
     _tables_attr = "embedding_bags"
     _embedding_bag_configs: list[BaseEmbeddingConfig]
 
-    def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        storage: TierStorage,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         object.__setattr__(self, "_tier_storage", storage)
+        object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
         super().__init__(*args, **kwargs)
 
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
@@ -352,8 +394,15 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
     _tables_attr = "embeddings"
     _embedding_configs: list[BaseEmbeddingConfig]
 
-    def __init__(self, *args: Any, storage: TierStorage, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        storage: TierStorage,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         object.__setattr__(self, "_tier_storage", storage)
+        object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
         super().__init__(*args, **kwargs)
 
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:

@@ -7,6 +7,7 @@ FUSED_UVM_CACHING on CUDA) exactly as with the stock sharders.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +36,18 @@ _TIERED_SHARDING_TYPES = (
 
 
 def _check_tiered_plan(
-    params: dict[str, ParameterSharding], storage: TierStorage, env: ShardingEnv
+    params: dict[str, ParameterSharding],
+    storage: TierStorage,
+    env: ShardingEnv,
+    hot_rows: Mapping[str, Sequence[int]],
 ) -> None:
     """Fails at sharding time, naming the table or path, for plans the kernel cannot run."""
+    for table in hot_rows:
+        if table not in params or params[table].compute_kernel != TIERED_KERNEL:
+            raise ValueError(
+                f"hot_rows names table {table!r}, which is not planned on the tiered kernel "
+                "in this module"
+            )
     rank = dist.get_rank(env.process_group) if dist.is_initialized() else 0
     for table, ps in params.items():
         if ps.compute_kernel != TIERED_KERNEL:
@@ -64,6 +74,13 @@ class _TieredSharderMixin:
             return [TIERED_KERNEL]
         return []
 
+    def _with_row_wise(self, types: list[str]) -> list[str]:
+        # TorchRec leaves row-wise out on CPU; it runs there over gloo (reduce-scatter and
+        # all-to-all), and the parity suite checks it, so plans may use it.
+        if ShardingType.ROW_WISE.value not in types:
+            types = [*types, ShardingType.ROW_WISE.value]
+        return types
+
     @property
     def storage(self) -> TierStorage:
         return self._storage
@@ -74,6 +91,8 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
 
     Args:
         storage: where tier files go (default: ``runs/tiers`` under the working directory).
+        hot_rows: per tiered table, global row ids to keep resident in its cache for good
+            (FAE's hot set, e.g. ``TableProfile.hot_rows`` from the access profiler).
         offer_tiered_kernel: list the tiered kernel in ``compute_kernels()`` so a planner may
             choose it. TorchRec's stock planner cannot estimate it, so this is for the tiered
             planner; hand-written plans work either way.
@@ -92,16 +111,21 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         storage: TierStorage | None = None,
         offer_tiered_kernel: bool = False,
         fused_params: dict[str, Any] | None = None,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, **kwargs)
         self._storage = storage or TierStorage()
         self._offer_tiered = offer_tiered_kernel
+        self._hot_rows = dict(hot_rows or {})
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return list(super().compute_kernels(sharding_type, compute_device_type)) + (
             self._tiered_kernels(sharding_type)
         )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return self._with_row_wise(list(super().sharding_types(compute_device_type)))
 
     def shard(
         self,
@@ -111,7 +135,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingBagCollection:
-        _check_tiered_plan(params, self._storage, env)
+        _check_tiered_plan(params, self._storage, env, self._hot_rows)
         return TieredShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -121,6 +145,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
             storage=self._storage,
+            hot_rows=self._hot_rows,
         )
 
 
@@ -133,16 +158,21 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
         storage: TierStorage | None = None,
         offer_tiered_kernel: bool = False,
         fused_params: dict[str, Any] | None = None,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, **kwargs)
         self._storage = storage or TierStorage()
         self._offer_tiered = offer_tiered_kernel
+        self._hot_rows = dict(hot_rows or {})
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return list(super().compute_kernels(sharding_type, compute_device_type)) + (
             self._tiered_kernels(sharding_type)
         )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return self._with_row_wise(list(super().sharding_types(compute_device_type)))
 
     def shard(
         self,
@@ -152,7 +182,7 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingCollection:
-        _check_tiered_plan(params, self._storage, env)
+        _check_tiered_plan(params, self._storage, env, self._hot_rows)
         return TieredShardedEmbeddingCollection(
             module,
             params,
@@ -163,4 +193,5 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
             use_index_dedup=self._use_index_dedup,
             module_fqn=module_fqn,
             storage=self._storage,
+            hot_rows=self._hot_rows,
         )

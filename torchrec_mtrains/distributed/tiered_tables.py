@@ -10,7 +10,9 @@ then computes and updates rows in place on the slots, exactly as it would on a w
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
-from torchrec_mtrains.cache.table_cache import CachePlan, CacheStats, TableCache
+from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
@@ -70,6 +72,19 @@ class TieredTableShard:
         out = self.cache.stats.as_dict()
         out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
         return out
+
+
+@dataclass
+class _PlannedBatch:
+    """One batch's cache plan: its ids split by table, slots, and the I/O that loads them."""
+
+    values: torch.Tensor
+    lengths: list[int]
+    segments: list[torch.Tensor]
+    per_table: list[list[int]]
+    inverses: list[torch.Tensor]
+    plans: list[CachePlan]
+    io: Future[object] | None
 
 
 def _split_states(
@@ -155,23 +170,27 @@ class TieredTableGroup:
                 )
             )
         self._mapped: dict[int, np.ndarray[Any, Any]] = {}
+        self._pending: deque[_PlannedBatch] = deque()
+        self._in_flight: _PlannedBatch | None = None
+        self._awaiting_backward = False
+        self._background_io = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._hot_rows: dict[int, torch.Tensor] = {}
+        self._repin = False
 
     # --------------------------------------------------------------------------- per batch
 
-    def remap(
-        self, values: torch.Tensor, lengths_per_feature: list[int], train: bool
-    ) -> torch.Tensor:
-        """Returns ``values`` (row ids, features back to back) with each id replaced by its
-        cache slot, after making every row resident.
+    def _split(
+        self, values: torch.Tensor, lengths_per_feature: list[int]
+    ) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
+        """Splits a batch's ids by feature and by table, checking every id against its table.
 
-        All ids are checked before anything moves, so a bad id leaves the tier untouched."""
-        device = values.device
+        Returns ``(segments per feature, feature indices per table, ids per table)``."""
         ids = values.to("cpu", torch.int64)
         segments = list(torch.split(ids, lengths_per_feature))
         per_table: list[list[int]] = [[] for _ in self.shards]
         for feature, table_idx in enumerate(self.feature_table_map):
             per_table[table_idx].append(feature)
-
         table_ids: list[torch.Tensor] = []
         for shard, features in zip(self.shards, per_table):
             t_ids = torch.cat([segments[f] for f in features]) if features else ids[:0]
@@ -185,15 +204,63 @@ class TieredTableGroup:
                         f"[0, {shard.local_rows}) of this shard; nothing was written"
                     )
             table_ids.append(t_ids)
+        return segments, per_table, table_ids
 
+    def _plan_batch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> _PlannedBatch:
+        """Checks and plans one batch on every table, holds its slots and queues its I/O."""
+        segments, per_table, table_ids = self._split(values, lengths_per_feature)
+        if self._repin:
+            self._repin = False
+            for index, ids in self._hot_rows.items():
+                self._pin(index, ids)
         uniques = [torch.unique(t, return_inverse=True) for t in table_ids]
         # Every table must fit before any is planned: planning updates a cache's maps.
         for shard, (uniq, _) in zip(self.shards, uniques):
             shard.cache.check_fits(uniq)
         plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
-        out_segments: list[torch.Tensor] = list(segments)
-        for shard, plan, (_, inverse), features in zip(self.shards, plans, uniques, per_table):
-            self.apply(shard, plan)
+        for shard, plan in zip(self.shards, plans):
+            shard.cache.hold(plan.slots)
+        io = self._submit(lambda: [self.apply(sh, pl) for sh, pl in zip(self.shards, plans)])
+        return _PlannedBatch(
+            values=values,
+            lengths=list(lengths_per_feature),
+            segments=segments,
+            per_table=per_table,
+            inverses=[inverse for _, inverse in uniques],
+            plans=plans,
+            io=io,
+        )
+
+    def prefetch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> None:
+        """Plans a batch that will run later and starts reading its missing rows in the
+        background (cDLRM's look-ahead). Its rows stay resident until the batch has run; the
+        forward that presents the same ids uses them without waiting for the tier.
+
+        Prefetches are consumed in order; I/O runs on one worker thread, in submission order,
+        so a row written back is always on the tier before it can be read again."""
+        self._pending.append(self._plan_batch(values, lengths_per_feature))
+
+    def remap(
+        self, values: torch.Tensor, lengths_per_feature: list[int], train: bool
+    ) -> torch.Tensor:
+        """Returns ``values`` (row ids, features back to back) with each id replaced by its
+        cache slot, after making every row resident (using a matching prefetch if any).
+
+        All ids are checked before anything moves, so a bad id leaves the tier untouched.
+        The batch's rows stay held until the next batch is remapped, i.e. until its backward
+        has updated them."""
+        batch = self._take_prefetched(values, lengths_per_feature)
+        # The previous batch's backward is done: its rows may be evicted from here on.
+        self._release_in_flight()
+        if batch is None:
+            batch = self._plan_batch(values, lengths_per_feature)
+        self._wait(batch)
+        self._in_flight = batch
+        self._awaiting_backward = train
+        out_segments: list[torch.Tensor] = list(batch.segments)
+        for shard, plan, inverse, features in zip(
+            self.shards, batch.plans, batch.inverses, batch.per_table
+        ):
             if train:
                 shard.cache.mark_dirty(plan.slots)
             slots = plan.slots[inverse]
@@ -201,7 +268,70 @@ class TieredTableGroup:
                 features, torch.split(slots, [lengths_per_feature[f] for f in features])
             ):
                 out_segments[f] = part
-        return torch.cat(out_segments).to(device) if out_segments else values
+        return torch.cat(out_segments).to(values.device) if out_segments else values
+
+    def backward_started(self, grad: torch.Tensor) -> None:
+        """Gradient hook on the kernel's output: the fused backward is about to update the
+        running batch's rows, so a flush after it need not keep them dirty."""
+        self._awaiting_backward = False
+
+    def _take_prefetched(
+        self, values: torch.Tensor, lengths_per_feature: list[int]
+    ) -> _PlannedBatch | None:
+        if not self._pending:
+            return None
+        head = self._pending[0]
+        if head.lengths != list(lengths_per_feature) or not torch.equal(
+            head.values.to("cpu"), values.to("cpu")
+        ):
+            logger.warning(
+                "forward ids differ from the next prefetched batch; planning them now "
+                "(prefetch batches in the order they run)"
+            )
+            return None
+        return self._pending.popleft()
+
+    def _submit(self, work: Callable[[], object]) -> Future[object] | None:
+        if not self._background_io:
+            work()
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtrains-tier-io")
+        return self._executor.submit(work)
+
+    @staticmethod
+    def _wait(batch: _PlannedBatch) -> None:
+        if batch.io is not None:
+            batch.io.result()  # re-raises a worker exception with its traceback
+
+    def _release_in_flight(self) -> None:
+        if self._in_flight is not None:
+            for shard, plan in zip(self.shards, self._in_flight.plans):
+                shard.cache.release(plan.slots)
+            self._in_flight = None
+
+    def drain(self) -> None:
+        """Waits for all queued tier I/O (prefetches stay queued for their batches)."""
+        for batch in self._pending:
+            self._wait(batch)
+
+    def cancel_prefetches(self) -> None:
+        """Drops queued prefetches after their I/O finished, releasing their rows."""
+        while self._pending:
+            batch = self._pending.popleft()
+            self._wait(batch)
+            for shard, plan in zip(self.shards, batch.plans):
+                shard.cache.release(plan.slots)
+
+    @property
+    def background_io(self) -> bool:
+        return self._background_io
+
+    @background_io.setter
+    def background_io(self, enabled: bool) -> None:
+        """Runs prefetch I/O on a worker thread (the look-ahead pipeline turns this on)."""
+        self.drain()
+        self._background_io = enabled
 
     @torch.no_grad()
     def apply(self, shard: TieredTableShard, plan: CachePlan) -> None:
@@ -237,13 +367,20 @@ class TieredTableGroup:
     # ------------------------------------------------------------------------ whole tables
 
     @torch.no_grad()
-    def flush(self) -> None:
-        """Writes every dirty cached row back and makes the tiers durable; rows stay cached."""
-        for shard in self.shards:
+    def flush(self, keep_in_flight_dirty: bool = True) -> None:
+        """Writes every dirty cached row back and makes the tiers durable; rows stay cached.
+
+        Rows of a training batch whose backward has not run yet stay marked dirty (unless
+        ``keep_in_flight_dirty`` is false), since the backward will still update them."""
+        self.drain()
+        for i, shard in enumerate(self.shards):
             ids, slots = shard.cache.dirty_rows()
             if ids.numel():
                 shard.store.write_rows(ids.numpy(), self._gather(shard, slots))
                 shard.cache.mark_clean(slots)
+            if keep_in_flight_dirty and self._in_flight is not None and self._awaiting_backward:
+                # The running batch's backward has yet to update its rows.
+                shard.cache.mark_dirty(self._in_flight.plans[i].slots)
             shard.store.flush()
 
     def persist_view_writes(self, index: int | None = None) -> None:
@@ -283,9 +420,14 @@ class TieredTableGroup:
     def purge(self) -> None:
         """Writes dirty rows back, then empties the caches, so the next batch reads every row
         from the tier (used after a checkpoint load wrote the tier directly)."""
-        self.flush()
+        self.cancel_prefetches()
+        self.flush(keep_in_flight_dirty=False)
+        self._release_in_flight()
         for shard in self.shards:
             shard.cache.clear()
+        # Hot rows come back with the next batch: a checkpoint load may still be writing the
+        # tier (TorchRec purges before its state is copied in).
+        self._repin = bool(self._hot_rows)
 
     @torch.no_grad()
     def initialize(
@@ -310,9 +452,8 @@ class TieredTableGroup:
         first for current values."""
         if index not in self._mapped:
             store = self.shards[index].store
-            mapped = getattr(store, "mapped_rows", None)
             # Block tiers have no byte-addressable copy (mapped_rows() is None): map the file.
-            array = mapped() if callable(mapped) else None
+            array = store.mapped_rows()
             if array is None:
                 store.flush()
                 layout = store.layout
@@ -320,7 +461,7 @@ class TieredTableGroup:
                     store.path,
                     dtype=layout.dtype.numpy_dtype,
                     mode="r+",
-                    offset=_data_offset(store),
+                    offset=store.data_offset,
                     shape=(layout.num_rows, layout.row_width),
                 )
             self._mapped[index] = array
@@ -343,7 +484,40 @@ class TieredTableGroup:
             start += width
         return out
 
+    def pin_hot_rows(self, index: int, local_ids: torch.Tensor) -> None:
+        """Loads the rows ``local_ids`` of shard ``index`` and keeps them resident for good
+        (FAE's hot set, from an access profile). They still count in hits, and are written
+        back when dirty at flush."""
+        shard = self.shards[index]
+        ids = torch.unique(local_ids.to(torch.int64))
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.local_rows):
+            raise TableIdError(
+                f"table {shard.name!r}: hot row ids must lie in [0, {shard.local_rows})"
+            )
+        if ids.numel() >= shard.cache.num_slots:
+            raise ValueError(
+                f"table {shard.name!r}: {ids.numel()} hot rows do not fit a cache of "
+                f"{shard.cache.num_slots} rows with room for a batch; pin fewer rows or "
+                "raise the cache size"
+            )
+        self._hot_rows[index] = ids
+        self._pin(index, ids)
+
+    def _pin(self, index: int, ids: torch.Tensor) -> None:
+        shard = self.shards[index]
+        shard.cache.check_fits(ids)
+        plan = shard.cache.plan(ids, count_stats=False)
+        io = self._submit(lambda: self.apply(shard, plan))  # in order with queued tier I/O
+        if io is not None:
+            io.result()
+        shard.cache.pin(plan.slots)
+
     def close(self) -> None:
+        self.cancel_prefetches()
+        self._release_in_flight()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         self._mapped.clear()
         for shard in self.shards:
             shard.store.close()
@@ -363,29 +537,9 @@ class TieredTableGroup:
         return out
 
 
-def merge_cache_stats(stats: list[CacheStats]) -> CacheStats:
-    total = CacheStats()
-    for s in stats:
-        total.lookups += s.lookups
-        total.hits += s.hits
-        total.misses += s.misses
-        total.evictions += s.evictions
-        total.writebacks += s.writebacks
-    return total
-
-
 def _offsets(table: ShardedEmbeddingTable) -> tuple[int, int]:
     md = table.local_metadata
     if md is None or not md.shard_offsets:
         return 0, 0
     offsets = [*list(md.shard_offsets), 0, 0]
     return int(offsets[0]), int(offsets[1])
-
-
-def _data_offset(store: RowStore) -> int:
-    offset = getattr(store, "data_offset", None)
-    if isinstance(offset, int):
-        return offset
-    from torchrec_mtrains.tiers.base import DATA_OFFSET
-
-    return DATA_OFFSET

@@ -1,0 +1,150 @@
+"""Look-ahead prefetch, hot-row pinning and in-flight rows of the tiered kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint import _process_group, assert_same, build, full_weights  # noqa: F401
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_mtrains.cache.table_cache import CacheTooSmallError
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+
+ROWS = 300
+
+
+def batches(seed: int, count: int) -> list[KeyedJaggedTensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(1, 3, (2 * 8,), generator=g)
+        n0, n1 = int(lengths[:8].sum()), int(lengths[8:].sum())
+        values = torch.cat(
+            [torch.randint(0, ROWS, (n0,), generator=g), torch.randint(0, 40, (n1,), generator=g)]
+        )
+        out.append(KeyedJaggedTensor(keys=["f0", "f1"], values=values, lengths=lengths))
+    return out
+
+
+def step(model: DistributedModelParallel, kjt: KeyedJaggedTensor) -> None:
+    out = model(kjt)
+    out = out.wait() if hasattr(out, "wait") else out
+    (out.values() * torch.linspace(-1, 1, out.values().shape[1])).sum().backward()
+
+
+def tiered_group(model: DistributedModelParallel) -> TieredTableGroup:
+    groups = list(model.module.tiered_groups())
+    assert len(groups) == 1
+    return groups[0]
+
+
+def big_features(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The features the tiered kernel sees at world size 1, table-wise: those of table big."""
+    return KeyedJaggedTensor.from_jt_dict({"f0": kjt["f0"]})
+
+
+def train_with_lookahead(
+    model: DistributedModelParallel, data: list[KeyedJaggedTensor], depth: int
+) -> None:
+    group = tiered_group(model)
+    group.background_io = True
+    for i in range(min(depth, len(data))):
+        group.prefetch(big_features(data[i]).values(), big_features(data[i]).length_per_key())
+    for i, kjt in enumerate(data):
+        step(model, kjt)
+        ahead = i + depth
+        if ahead < len(data):
+            f = big_features(data[ahead])
+            group.prefetch(f.values(), f.length_per_key())
+
+
+def copy_into(dst: DistributedModelParallel, src: DistributedModelParallel) -> None:
+    dst.load_state_dict(src.state_dict())
+    dst.fused_optimizer.load_state_dict(src.fused_optimizer.state_dict())
+
+
+@pytest.mark.parametrize("tier", ["byte_scm", "block_scm"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_lookahead_is_bitwise_identical(tmp_path: Path, tier: str, depth: int) -> None:
+    plain = build(tmp_path / "a", tier)
+    ahead = build(tmp_path / "b", tier)
+    copy_into(ahead, plain)
+    data = batches(seed=5, count=30)
+    for kjt in data:
+        step(plain, kjt)
+    train_with_lookahead(ahead, data, depth)
+    assert_same(full_weights(plain), full_weights(ahead))
+    group = tiered_group(ahead)
+    assert not group._pending  # every prefetch was consumed by its forward
+    stats = group.shards[0].cache.stats
+    assert stats.misses > 0 and stats.evictions > 0
+
+
+def test_worker_error_surfaces_in_forward(tmp_path: Path, monkeypatch: Any) -> None:
+    model = build(tmp_path, "block_scm")
+    group = tiered_group(model)
+    group.background_io = True
+    store = group.shards[0].store
+
+    def broken(ids: Any) -> Any:
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(store, "read_rows", broken)
+    data = batches(seed=1, count=2)
+    f = big_features(data[0])
+    group.prefetch(f.values(), f.length_per_key())  # returns at once; the read fails later
+    with pytest.raises(OSError, match="injected") as info:
+        step(model, data[0])
+    assert any("broken" in str(entry.name) for entry in info.traceback)
+
+
+def test_lookahead_needs_room_for_batches_in_flight(tmp_path: Path) -> None:
+    model = build(tmp_path, "byte_scm")
+    group = tiered_group(model)
+    cache = group.shards[0].cache
+    data = batches(seed=2, count=40)
+    with pytest.raises(CacheTooSmallError, match="held by batches in flight"):
+        for kjt in data:  # prefetching everything at once cannot fit a 150-row cache
+            f = big_features(kjt)
+            group.prefetch(f.values(), f.length_per_key())
+    assert int(cache.holds.sum()) > 0
+    group.cancel_prefetches()
+    assert int(cache.holds.sum()) == 0
+
+
+def test_hot_rows_stay_resident(tmp_path: Path) -> None:
+    hot = list(range(0, 300, 10))
+    plain = build(tmp_path / "a", "block_scm")
+    pinned = build(tmp_path / "b", "block_scm", hot_rows={"big": hot})
+    copy_into(pinned, plain)
+    cache = tiered_group(pinned).shards[0].cache
+    data = batches(seed=3, count=25)
+    for kjt in data:
+        step(plain, kjt)
+        step(pinned, kjt)
+        assert bool((cache.lookup(torch.tensor(hot)) >= 0).all())
+    assert int(cache.pinned.sum()) == len(hot)
+    assert cache.stats.evictions > 0
+    assert_same(full_weights(plain), full_weights(pinned))
+
+
+def test_hot_rows_must_name_tiered_tables(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'small'"):
+        build(tmp_path, "byte_scm", hot_rows={"small": [1]})
+
+
+def test_flush_between_forward_and_backward_keeps_updates(tmp_path: Path) -> None:
+    plain = build(tmp_path / "a", "byte_scm")
+    other = build(tmp_path / "b", "byte_scm")
+    copy_into(other, plain)
+    for kjt in batches(seed=4, count=12):
+        step(plain, kjt)
+        out = other(kjt)
+        out = out.wait() if hasattr(out, "wait") else out
+        other.state_dict()  # flushes between forward and backward
+        (out.values() * torch.linspace(-1, 1, out.values().shape[1])).sum().backward()
+    assert_same(full_weights(plain), full_weights(other))
