@@ -203,3 +203,24 @@ def test_plan_shards_a_model_that_trains(tmp_path: Path) -> None:
     assert float(loss) < before  # the fused optimizer updated the rows
     stats = [m.tier_stats() for m in model.modules() if hasattr(m, "_tier_storage")]
     assert any("t_cat_0" in s for s in stats)
+
+
+def test_plan_from_the_apps_config() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from torchrec_mtrains.planner import plan_from_config
+    from torchrec_mtrains.planner.topology import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(
+            config_name="config",
+            overrides=["planner=tiered", "hardware=local", "model=small", "data.batch_size=256"],
+        )
+    sizes = list(cfg.model.num_embeddings_per_feature)
+    ebc = EmbeddingBagCollection(
+        tables=tables(sizes, dim=int(cfg.model.embedding_dim)), device=torch.device("meta")
+    )
+    plan, summary = plan_from_config(cfg, ebc, _sharder(), world_size=1)
+    assert set(plan) == {f"t_cat_{i}" for i in range(len(sizes))}
+    assert summary.batch_size == 256 and summary.host == "local"
+    assert any("assumed uniform" in note for note in summary.notes)

@@ -35,6 +35,8 @@ are distinct, rows of ``d`` columns plus ``s`` optimizer-state values of ``e`` b
     max(ios / read_iops, bytes / read_bandwidth)``; write-backs first read the blocks they only
     partly cover (read-modify-write), then write every touched block.
   - Rows on DRAM or a storage tier reaching a GPU are also capped by its host link.
+  - The ranks of a host share its tiers: each gets ``1 / local_world_size`` of a tier's
+    bandwidth and IOPS (latency is not shared).
 * **comms** (more than one rank): ids in (8 bytes each) and pooled outputs out, forward and
   backward, the remote share at intra-host (NVLink / shared memory) or the rank's share of the
   host's network bandwidth.
@@ -43,9 +45,14 @@ Without a look-ahead pipeline the tier's I/O is on the critical path and terms a
 ``overlap_tier_io`` a rank's step is ``max(compute + comms, cache + I/O)``: the cDLRM pipeline
 prefetches the next batch's rows while the current one computes.
 
+The figures come from the host topology: measured on this machine for the ``local`` preset
+(``benchmarks/perf_model_check.py calibrate``), vendor datasheets for the others. The same
+script's ``check`` compares predictions with measured DMP steps.
+
 What the model leaves out: dense layers (the same for every placement), stragglers from skewed
-row-wise shards, contention between ranks sharing a host's tier, and the page cache in front of
-a memory-mapped file larger than free memory.
+row-wise shards, CPU cache effects of the fused kernel (its cost per lookup grows with the
+tables' total size), and the page cache in front of a memory-mapped file larger than free
+memory (rows then fault in from disk one at a time).
 """
 
 from __future__ import annotations

@@ -67,7 +67,13 @@ from torchrec_mtrains.types import Tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TablePlan", "TieredShardingPlanner", "plan_tables", "torchrec_topology"]
+__all__ = [
+    "TablePlan",
+    "TieredShardingPlanner",
+    "plan_from_config",
+    "plan_tables",
+    "torchrec_topology",
+]
 
 
 def torchrec_topology(context: PlanningContext) -> Topology:
@@ -326,3 +332,55 @@ def plan_tables(
     if module_plan is None or planner.last_summary is None:
         raise ValueError("the planner returned no plan for the collection")
     return TablePlan(cast(EmbeddingModuleShardingPlan, module_plan), planner.last_summary)
+
+
+def plan_from_config(
+    cfg: Any,
+    ebc: EmbeddingBagCollection,
+    sharder: TieredEmbeddingBagCollectionSharder,
+    world_size: int,
+    *,
+    local_world_size: int | None = None,
+) -> TablePlan:
+    """:func:`plan_tables` from the DLRM app's composed config.
+
+    Reads ``cfg.hardware`` (the host topology), ``cfg.planner`` (a ``planner=tiered`` preset,
+    whose ``profile`` names an access profile JSON or is empty), ``cfg.data.batch_size`` and the
+    ids per sample of tables without a profile from ``model.pooling_factors`` or
+    ``data.pooling_factors`` (one entry, or one per table in ``t_cat_<i>`` order).
+
+    Raises:
+        ValueError: when ``cfg.planner`` is not the tiered planner's config, or a value is
+            invalid.
+    """
+    from omegaconf import OmegaConf
+
+    from torchrec_mtrains.planner.topology import topology_from_config
+
+    planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
+    if not isinstance(planner_node, dict) or planner_node.get("name") != "tiered":
+        raise ValueError("cfg.planner is not the tiered planner's config: use planner=tiered")
+    config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
+    profile = AccessProfile.from_json(config.profile) if config.profile else None
+    names = [c.name for c in ebc.embedding_bag_configs()]
+    poolings: dict[str, float] = {}
+    found = OmegaConf.select(cfg, "model.pooling_factors") or OmegaConf.select(
+        cfg, "data.pooling_factors"
+    )
+    if found:
+        values = [float(v) for v in found]
+        if len(values) == 1:
+            values = values * len(names)
+        if len(values) == len(names):
+            poolings = dict(zip(names, values))
+    return plan_tables(
+        ebc,
+        topology_from_config(cfg.hardware),
+        world_size,
+        int(cfg.data.batch_size),
+        profile,
+        sharder,
+        local_world_size=local_world_size,
+        config=config,
+        poolings=poolings,
+    )
