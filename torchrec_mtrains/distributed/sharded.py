@@ -114,12 +114,60 @@ class _TieredShardedMixin:
     ``_tiered_configs()``."""
 
     _tables_attr: str
+    _configs_attr: str
     _tier_storage: TierStorage
     _tier_hot_rows: Mapping[str, Sequence[int]]
     _lookups: Any
     module_sharding_plan: Any
     _model_parallel_name_to_sharded_tensor: dict[str, Any]
     _env: ShardingEnv
+
+    def __init__(
+        self,
+        *args: Any,
+        storage: TierStorage,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Set before TorchRec's constructor, which builds the lookups and state through the
+        # overridden hooks below.
+        object.__setattr__(self, "_tier_storage", storage)
+        object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
+        super().__init__(*args, **kwargs)
+
+    def _configs(self) -> list[BaseEmbeddingConfig]:
+        configs: list[BaseEmbeddingConfig] = getattr(self, self._configs_attr)
+        return configs
+
+    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
+        return {c.name: c for c in self._configs()}
+
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        self._check_tiered_ids(features)
+        return super().input_dist(ctx, features)  # type: ignore[misc]
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
+        self._register_tiered_state()
+        if not skip_registering:
+            self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
+                _tiered_load_hook, with_module=True
+            )
+
+    def reset_parameters(self) -> None:
+        device = getattr(self, "_device", None)
+        if device is not None and device.type == "meta":
+            return
+        # TorchRec's reset initializes every table through its registered weight; tiered
+        # tables have none and are initialized chunk by chunk on their tiers instead.
+        tiered = set(self._tiered_table_names())
+        saved = self._configs()
+        setattr(self, self._configs_attr, [c for c in saved if c.name not in tiered])
+        try:
+            super().reset_parameters()  # type: ignore[misc]
+        finally:
+            setattr(self, self._configs_attr, saved)
+        self._reset_tiered_parameters()
 
     def _tiered_table_names(self) -> list[str]:
         return [
@@ -144,9 +192,6 @@ class _TieredShardedMixin:
             for i, shard in enumerate(group.shards):
                 if shard.name == table:
                     yield group, i, shard
-
-    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
-        raise NotImplementedError
 
     def _check_tiered_ids(self, features: Any) -> None:
         """Raises :class:`TableIdError` naming the table, the id and the feature if a tiered
@@ -328,29 +373,13 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
     """ShardedEmbeddingBagCollection whose plan may place tables on storage tiers.
 
     Args:
-        storage: where tier files go; the other arguments are ShardedEmbeddingBagCollection's.
+        storage: where tier files go.
+        hot_rows: per tiered table, global row ids pinned in its cache.
+        The other arguments are ShardedEmbeddingBagCollection's.
     """
 
     _tables_attr = "embedding_bags"
-    _embedding_bag_configs: list[BaseEmbeddingConfig]
-
-    def __init__(
-        self,
-        *args: Any,
-        storage: TierStorage,
-        hot_rows: Mapping[str, Sequence[int]] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        object.__setattr__(self, "_tier_storage", storage)
-        object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
-        super().__init__(*args, **kwargs)
-
-    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
-        return {c.name: c for c in self._embedding_bag_configs}
-
-    def input_dist(self, ctx: Any, features: Any) -> Any:
-        self._check_tiered_ids(features)
-        return super().input_dist(ctx, features)
+    _configs_attr = "_embedding_bag_configs"
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -369,48 +398,13 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
                 )
             )
 
-    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        super()._initialize_torch_state(skip_registering)
-        self._register_tiered_state()
-        if not skip_registering:
-            self._register_load_state_dict_pre_hook(_tiered_load_hook, with_module=True)
-
-    def reset_parameters(self) -> None:
-        if self._device is not None and self._device.type == "meta":
-            return
-        tiered = set(self._tiered_table_names())
-        saved = self._embedding_bag_configs
-        self._embedding_bag_configs = [c for c in saved if c.name not in tiered]
-        try:
-            super().reset_parameters()
-        finally:
-            self._embedding_bag_configs = saved
-        self._reset_tiered_parameters()
-
 
 class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingCollection):
-    """ShardedEmbeddingCollection whose plan may place tables on storage tiers."""
+    """ShardedEmbeddingCollection whose plan may place tables on storage tiers; arguments as
+    for :class:`TieredShardedEmbeddingBagCollection`."""
 
     _tables_attr = "embeddings"
-    _embedding_configs: list[BaseEmbeddingConfig]
-
-    def __init__(
-        self,
-        *args: Any,
-        storage: TierStorage,
-        hot_rows: Mapping[str, Sequence[int]] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        object.__setattr__(self, "_tier_storage", storage)
-        object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
-        super().__init__(*args, **kwargs)
-
-    def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
-        return {c.name: c for c in self._embedding_configs}
-
-    def input_dist(self, ctx: Any, features: Any) -> Any:
-        self._check_tiered_ids(features)
-        return super().input_dist(ctx, features)
+    _configs_attr = "_embedding_configs"
 
     def _create_lookups(self) -> None:
         for sharding in self._sharding_type_to_sharding.values():
@@ -428,24 +422,6 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
             if self.enable_embedding_update and sharding.enable_embedding_update:
                 self._updates.append(sharding.create_update(lookup))
             self._lookups.append(lookup)
-
-    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        super()._initialize_torch_state(skip_registering)
-        self._register_tiered_state()
-        if not skip_registering:
-            self._register_load_state_dict_pre_hook(_tiered_load_hook, with_module=True)
-
-    def reset_parameters(self) -> None:
-        if self._device is not None and self._device.type == "meta":
-            return
-        tiered = set(self._tiered_table_names())
-        saved = self._embedding_configs
-        self._embedding_configs = [c for c in saved if c.name not in tiered]
-        try:
-            super().reset_parameters()
-        finally:
-            self._embedding_configs = saved
-        self._reset_tiered_parameters()
 
 
 def _tiered_load_hook(

@@ -66,19 +66,33 @@ def _check_tiered_plan(
 
 
 class _TieredSharderMixin:
-    _storage: TierStorage
-    _offer_tiered: bool
+    """Construction and kernel/sharding-type offers shared by both tiered sharders."""
 
-    def _tiered_kernels(self, sharding_type: str) -> list[str]:
+    def __init__(
+        self,
+        storage: TierStorage | None = None,
+        offer_tiered_kernel: bool = False,
+        fused_params: dict[str, Any] | None = None,
+        hot_rows: Mapping[str, Sequence[int]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]
+        self._storage = storage or TierStorage()
+        self._offer_tiered = offer_tiered_kernel
+        self._hot_rows = dict(hot_rows or {})
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))  # type: ignore[misc]
         if self._offer_tiered and sharding_type in _TIERED_SHARDING_TYPES:
-            return [TIERED_KERNEL]
-        return []
+            kernels.append(TIERED_KERNEL)
+        return kernels
 
-    def _with_row_wise(self, types: list[str]) -> list[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))  # type: ignore[misc]
         # TorchRec leaves row-wise out on CPU; it runs there over gloo (reduce-scatter and
         # all-to-all), and the parity suite checks it, so plans may use it.
         if ShardingType.ROW_WISE.value not in types:
-            types = [*types, ShardingType.ROW_WISE.value]
+            types.append(ShardingType.ROW_WISE.value)
         return types
 
     @property
@@ -106,27 +120,6 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         model = DistributedModelParallel(model, plan=plan, sharders=[sharder])
     """
 
-    def __init__(
-        self,
-        storage: TierStorage | None = None,
-        offer_tiered_kernel: bool = False,
-        fused_params: dict[str, Any] | None = None,
-        hot_rows: Mapping[str, Sequence[int]] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(fused_params=fused_params, **kwargs)
-        self._storage = storage or TierStorage()
-        self._offer_tiered = offer_tiered_kernel
-        self._hot_rows = dict(hot_rows or {})
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return list(super().compute_kernels(sharding_type, compute_device_type)) + (
-            self._tiered_kernels(sharding_type)
-        )
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return self._with_row_wise(list(super().sharding_types(compute_device_type)))
-
     def shard(
         self,
         module: EmbeddingBagCollection,
@@ -152,27 +145,6 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
 class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionSharder):
     """Shards ``EmbeddingCollection`` with tables on TorchRec kernels or storage tiers; see
     :class:`TieredEmbeddingBagCollectionSharder` for the arguments."""
-
-    def __init__(
-        self,
-        storage: TierStorage | None = None,
-        offer_tiered_kernel: bool = False,
-        fused_params: dict[str, Any] | None = None,
-        hot_rows: Mapping[str, Sequence[int]] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(fused_params=fused_params, **kwargs)
-        self._storage = storage or TierStorage()
-        self._offer_tiered = offer_tiered_kernel
-        self._hot_rows = dict(hot_rows or {})
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return list(super().compute_kernels(sharding_type, compute_device_type)) + (
-            self._tiered_kernels(sharding_type)
-        )
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return self._with_row_wise(list(super().sharding_types(compute_device_type)))
 
     def shard(
         self,
