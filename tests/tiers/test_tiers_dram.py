@@ -13,7 +13,10 @@ from torchrec_mtrains.types import RowLayout
 def _file_rows(store: DramStore) -> np.ndarray:
     layout = store.layout
     flat = np.fromfile(
-        store.path, layout.dtype.numpy_dtype, layout.num_rows * layout.row_width, offset=store.data_offset
+        store.path,
+        layout.dtype.numpy_dtype,
+        layout.num_rows * layout.row_width,
+        offset=store.data_offset,
     )
     return flat.reshape(layout.num_rows, layout.row_width)
 
