@@ -8,9 +8,10 @@ host allow:
   ``FUSED_UVM`` (DRAM rows read by the GPU) and ``FUSED_UVM_CACHING`` (DRAM rows behind an HBM
   cache), and the tiered kernel once per storage tier the host has. Kernels the perf model does
   not know (key-value, virtual tables, quantized) are not offered.
-* sharding: table-wise; with more than one rank also one split: row-wise where the sharder
-  offers it (GPU hosts), else column-wise into at most ``world_size`` equal slices of a
-  multiple of 4 columns (TorchRec's CPU kernels need it).
+* sharding: table-wise; with more than one rank also the splits the sharder offers: row-wise,
+  and column-wise into the fewest equal slices (of a multiple of 4
+  columns, as TorchRec's CPU kernels need) that fit one rank: every column slice serves every
+  lookup, so more slices only multiply the per-lookup work.
 
 Shard geometry comes from TorchRec's ``calculate_shard_sizes_and_offsets``.
 """
@@ -123,23 +124,37 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
             )
         return found
 
-    def _split_type(self, sharder: ModuleSharder[nn.Module], rows: int, cols: int) -> str | None:
+    def _split_types(self, sharder: ModuleSharder[nn.Module], rows: int, cols: int) -> list[str]:
+        """Row-wise (lookups split between ranks, but every rank sends partial sums for the
+        whole batch) and column-wise (fewer, narrower outputs, but every slice serves every
+        lookup), whichever the sharder offers: which is faster depends on the table."""
         ctx = self.context
         if ctx.world_size == 1 or not ctx.config.split_tables:
-            return None
+            return []
         offered = sharder.sharding_types(ctx.host.compute_device)
+        out = []
         if _RW in offered and rows >= ctx.world_size:
-            return _RW
-        if _CW in offered and self._cw_shards(cols) > 1:
-            return _CW
-        return None
+            out.append(_RW)
+        if _CW in offered and self._cw_shards(rows, cols) > 1:
+            out.append(_CW)
+        return out
 
-    def _cw_shards(self, cols: int) -> int:
-        best = 1
-        for n in range(2, self.context.world_size + 1):
-            if cols % n == 0 and (cols // n) % 4 == 0:
-                best = n
-        return best
+    def _cw_shards(self, rows: int, cols: int) -> int:
+        """Column slices for a column-wise split: every slice serves every lookup, so as few
+        as make a slice fit one rank's largest tier (at least 2), a multiple of 4 columns each
+        (TorchRec's CPU kernels need it); 1 when the columns cannot be split."""
+        valid = [
+            n
+            for n in range(2, self.context.world_size + 1)
+            if cols % n == 0 and (cols // n) % 4 == 0
+        ]
+        if not valid:
+            return 1
+        largest_tier = max(self.context.capacity(t) for t in self.context.tiers())
+        for n in valid:
+            if rows * (cols // n + 1) * 4 <= largest_tier:
+                return n
+        return valid[-1]
 
     def _geometry(
         self, param: torch.Tensor, sharding_type: str
@@ -147,7 +162,7 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
         ctx = self.context
         rows, cols = int(param.shape[0]), int(param.shape[1])
         if sharding_type == _CW:
-            n = self._cw_shards(cols)
+            n = self._cw_shards(rows, cols)
             width = cols // n
             return [[rows, width]] * n, [[0, width * i] for i in range(n)]
         sizes, offsets = calculate_shard_sizes_and_offsets(
@@ -183,10 +198,7 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
                 access = self._access(name, rows, cols)
                 ctx.access[name] = access
                 state = optimizer_state_width(fused_params, cols)
-                types = [_TW]
-                split = self._split_type(sharder, rows, cols)
-                if split is not None:
-                    types.append(split)
+                types = [_TW, *self._split_types(sharder, rows, cols)]
                 per_table: list[ShardingOption] = []
                 for sharding_type in types:
                     if sharding_type not in sharder.sharding_types(device):

@@ -4,6 +4,7 @@ plan's predicted step time and throughput."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -137,6 +138,11 @@ class PlanSummary:
         return self.format()
 
 
+def _natural(name: str) -> tuple[str | int, ...]:
+    """Sort key putting ``t_cat_2`` before ``t_cat_10``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     uniq = sorted(set(ranks))
     if len(uniq) > 3 and uniq == list(range(uniq[0], uniq[-1] + 1)):
@@ -152,7 +158,7 @@ def summarize(
     on_gpu = context.host.gpu is not None
     overlap = context.config.overlap_tier_io
     tables = []
-    for option in sorted(plan, key=lambda o: o.name):
+    for option in sorted(plan, key=lambda o: _natural(o.name)):
         cached = option.placement.cached
         unique = [option.access.unique_rows(context.samples_per_step)] * len(option.shards)
         weight = sum(unique) or 1.0
