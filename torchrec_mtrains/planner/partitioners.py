@@ -33,6 +33,7 @@ from torchrec.distributed.planner.types import (
 
 from torchrec_mtrains.planner.perf_model import Placement, StepTime
 from torchrec_mtrains.planner.shard_estimators import TieredShardEstimator
+from torchrec_mtrains.planner.topology import format_size
 from torchrec_mtrains.planner.types import (
     PlacementError,
     PlacementReport,
@@ -239,7 +240,7 @@ class TierPartitioner(Partitioner):  # type: ignore[misc]
 
         def describe(option: TieredShardingOption, i: int) -> str:
             demand = ", ".join(
-                f"{t.value} {v / 2**30:.3g} GiB" for t, v in option.demands[i].items() if v
+                f"{t.value} {format_size(v)}" for t, v in option.demands[i].items() if v
             )
             return f"{option.describe()} shard {i}: {demand}"
 

@@ -89,35 +89,38 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
 
     def _demote(self) -> bool:
         """Moves one table to a slower placement freeing the most pressed tier's bytes at the
-        least step time per byte; returns False when no move frees anything."""
-        for tier in self._pressure():
-            best: tuple[float, str, int] | None = None
-            for table in self._tables:
-                options = self._options[table]
-                cur = options[self._choice[table]]
-                cur_bytes = cur.total_demand().get(tier, 0)
-                if cur_bytes == 0:
-                    continue
-                for k in range(self._choice[table] + 1, len(options)):
-                    alt = options[k]
-                    if not self._shards_fit(alt):
+        least step time per byte; returns False when no move frees anything. Placements whose
+        shards fit a rank come first; when none is left, ones that do not (so that a failure is
+        reported for the most compact placement tried)."""
+        for only_fitting in (True, False):
+            for tier in self._pressure():
+                best: tuple[float, str, int] | None = None
+                for table in self._tables:
+                    options = self._options[table]
+                    cur = options[self._choice[table]]
+                    cur_bytes = cur.total_demand().get(tier, 0)
+                    if cur_bytes == 0:
                         continue
-                    freed = cur_bytes - alt.total_demand().get(tier, 0)
-                    if freed <= 0:
-                        continue
-                    cost = max(0.0, self._time(alt) - self._time(cur)) / freed
-                    if best is None or cost < best[0]:
-                        best = (cost, table, k)
-            if best is not None:
-                _, table, k = best
-                logger.debug(
-                    "%s over capacity: %s -> %s",
-                    tier.value,
-                    self._options[table][self._choice[table]].describe(),
-                    self._options[table][k].describe(),
-                )
-                self._choice[table] = k
-                return True
+                    for k in range(self._choice[table] + 1, len(options)):
+                        alt = options[k]
+                        if only_fitting and not self._shards_fit(alt):
+                            continue
+                        freed = cur_bytes - alt.total_demand().get(tier, 0)
+                        if freed <= 0:
+                            continue
+                        cost = max(0.0, self._time(alt) - self._time(cur)) / freed
+                        if best is None or cost < best[0]:
+                            best = (cost, table, k)
+                if best is not None:
+                    _, table, k = best
+                    logger.debug(
+                        "%s over capacity: %s -> %s",
+                        tier.value,
+                        self._options[table][self._choice[table]].describe(),
+                        self._options[table][k].describe(),
+                    )
+                    self._choice[table] = k
+                    return True
         return False
 
     def _balance_move(self, plan: list[ShardingOption]) -> bool:
