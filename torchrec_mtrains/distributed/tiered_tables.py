@@ -10,10 +10,12 @@ then computes and updates rows in place on the slots, exactly as it would on a w
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -72,6 +74,42 @@ class TieredTableShard:
         out = self.cache.stats.as_dict()
         out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
         return out
+
+
+@dataclass
+class TierIOCounters:
+    """How much a tiered kernel waited for and moved rows: what the look-ahead pipeline reports
+    per step (take the difference of two snapshots). Cumulative since the group was built.
+
+    Attributes:
+        stall_seconds: time the training thread was blocked on tier I/O: waiting in a forward
+            for its batch's rows, or moving rows itself when I/O is not in the background. The
+            time look-ahead exists to remove.
+        io_seconds: time spent moving rows (write-backs, then reads), on whichever thread did
+            it; with background I/O most of it overlaps training.
+        rows_fetched: rows planned to be read from the tiers into the cache for batches.
+        rows_written_back: dirty evicted rows planned to be written to the tiers.
+        prefetched_batches: forwards that found their batch already prefetched.
+        unprefetched_batches: forwards that had to plan (and, without background I/O, read)
+            their rows themselves.
+    """
+
+    stall_seconds: float = 0.0
+    io_seconds: float = 0.0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    prefetched_batches: int = 0
+    unprefetched_batches: int = 0
+
+    def __add__(self, other: TierIOCounters) -> TierIOCounters:
+        return TierIOCounters(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def __sub__(self, other: TierIOCounters) -> TierIOCounters:
+        return TierIOCounters(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
 
 
 @dataclass
@@ -177,6 +215,14 @@ class TieredTableGroup:
         self._executor: ThreadPoolExecutor | None = None
         self._hot_rows: dict[int, torch.Tensor] = {}
         self._repin = False
+        # Written by the I/O worker and read by the training thread.
+        self._counters = TierIOCounters()
+        self._counters_lock = threading.Lock()
+        # Set (by whichever thread ran it) when a row move raised: the cache may then map rows
+        # whose read never happened, until stop_background_io() empties it.
+        self._io_failed = False
+        # Set once such a failure has reached the caller: no batch may run on the cache after it.
+        self._io_error_reported = False
 
     # --------------------------------------------------------------------------- per batch
 
@@ -208,6 +254,7 @@ class TieredTableGroup:
 
     def _plan_batch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> _PlannedBatch:
         """Checks and plans one batch on every table, holds its slots and queues its I/O."""
+        self._check_no_reported_error()
         segments, per_table, table_ids = self._split(values, lengths_per_feature)
         if self._repin:
             self._repin = False
@@ -220,16 +267,32 @@ class TieredTableGroup:
         plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
         for shard, plan in zip(self.shards, plans):
             shard.cache.hold(plan.slots)
-        io = self._submit(lambda: [self.apply(sh, pl) for sh, pl in zip(self.shards, plans)])
-        return _PlannedBatch(
+        with self._counters_lock:
+            self._counters.rows_fetched += sum(int(p.load_ids.numel()) for p in plans)
+            self._counters.rows_written_back += sum(int(p.evict_dirty.sum()) for p in plans)
+        batch = _PlannedBatch(
             values=values,
             lengths=list(lengths_per_feature),
             segments=segments,
             per_table=per_table,
             inverses=[inverse for _, inverse in uniques],
             plans=plans,
-            io=io,
+            io=None,
         )
+        try:
+            batch.io = self._submit(lambda: self._move_rows(list(zip(self.shards, plans))))
+        except BaseException as e:
+            self._release(batch)  # its rows never arrived: the batch does not run
+            self._io_error_reported |= isinstance(e, Exception)
+            raise
+        return batch
+
+    def _check_no_reported_error(self) -> None:
+        if self._io_error_reported:
+            raise RuntimeError(
+                "an earlier tier I/O failed, so cached rows may be invalid; call "
+                "stop_background_io() (the look-ahead pipeline does on error) before training on"
+            )
 
     def prefetch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> None:
         """Plans a batch that will run later and starts reading its missing rows in the
@@ -249,12 +312,28 @@ class TieredTableGroup:
         All ids are checked before anything moves, so a bad id leaves the tier untouched.
         The batch's rows stay held until the next batch is remapped, i.e. until its backward
         has updated them."""
+        self._check_no_reported_error()
         batch = self._take_prefetched(values, lengths_per_feature)
         # The previous batch's backward is done: its rows may be evicted from here on.
         self._release_in_flight()
         if batch is None:
+            with self._counters_lock:
+                self._counters.unprefetched_batches += 1
             batch = self._plan_batch(values, lengths_per_feature)
-        self._wait(batch)
+        else:
+            with self._counters_lock:
+                self._counters.prefetched_batches += 1
+        started = time.perf_counter()
+        try:
+            self._wait(batch)
+        except BaseException as e:
+            # A worker error or an interrupt: the batch does not run, so its rows are free
+            # again (I/O still queued for them finishes first: the worker keeps FIFO order).
+            self._release(batch)
+            self._io_error_reported |= isinstance(e, Exception)
+            raise
+        finally:
+            self._add_stall(time.perf_counter() - started)
         self._in_flight = batch
         self._awaiting_backward = train
         out_segments: list[torch.Tensor] = list(batch.segments)
@@ -293,7 +372,11 @@ class TieredTableGroup:
 
     def _submit(self, work: Callable[[], object]) -> Future[object] | None:
         if not self._background_io:
-            work()
+            started = time.perf_counter()
+            try:
+                work()
+            finally:
+                self._add_stall(time.perf_counter() - started)
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtrains-tier-io")
@@ -304,11 +387,23 @@ class TieredTableGroup:
         if batch.io is not None:
             batch.io.result()  # re-raises a worker exception with its traceback
 
+    def _release(self, batch: _PlannedBatch) -> None:
+        for shard, plan in zip(self.shards, batch.plans):
+            shard.cache.release(plan.slots)
+
     def _release_in_flight(self) -> None:
         if self._in_flight is not None:
-            for shard, plan in zip(self.shards, self._in_flight.plans):
-                shard.cache.release(plan.slots)
+            self._release(self._in_flight)
             self._in_flight = None
+
+    def _add_stall(self, seconds: float) -> None:
+        with self._counters_lock:
+            self._counters.stall_seconds += seconds
+
+    def io_counters(self) -> TierIOCounters:
+        """A snapshot of the group's I/O counters (see :class:`TierIOCounters`)."""
+        with self._counters_lock:
+            return replace(self._counters)
 
     def drain(self) -> None:
         """Waits for all queued tier I/O (prefetches stay queued for their batches)."""
@@ -329,21 +424,75 @@ class TieredTableGroup:
 
     @background_io.setter
     def background_io(self, enabled: bool) -> None:
-        """Runs prefetch I/O on a worker thread (the look-ahead pipeline turns this on)."""
+        """Runs prefetch I/O on a worker thread (the look-ahead pipeline turns this on);
+        turning it off waits for queued I/O and ends the thread."""
         self.drain()
         self._background_io = enabled
+        if not enabled and self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def stop_background_io(self) -> BaseException | None:
+        """Ends look-ahead whatever state it is in (after an error or an interrupt too).
+
+        Waits for every queued tier I/O, so a write-back under way always completes and no row
+        on a tier is left half written; drops the prefetched batches and their holds; stops the
+        worker thread; turns background I/O off. If any row move failed, the cache may map rows
+        whose read never happened: the dirty rows (whose cached values are valid) are written
+        back and the caches emptied, so later batches read every row from its tier.
+
+        Returns:
+            The first I/O error met while waiting (its batch never ran), or None.
+        """
+        error: BaseException | None = None
+        while self._pending:
+            batch = self._pending.popleft()
+            try:
+                self._wait(batch)
+            except Exception as e:
+                error = error or e
+            self._release(batch)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._background_io = False
+        if self._io_failed:
+            self._io_failed = self._io_error_reported = False
+            self._release_in_flight()
+            self.flush(keep_in_flight_dirty=False)
+            for shard in self.shards:
+                shard.cache.clear()
+            self._repin = bool(self._hot_rows)
+            logger.warning("tier I/O failed: dirty rows written back, caches emptied")
+        return error
 
     @torch.no_grad()
     def apply(self, shard: TieredTableShard, plan: CachePlan) -> None:
         """Carries out ``plan``: writes dirty victims back, then reads the missing rows in."""
-        if plan.evict_slots.numel():
-            dirty = plan.evict_dirty
-            if bool(dirty.any()):
-                slots = plan.evict_slots[dirty]
-                shard.store.write_rows(plan.evict_ids[dirty].numpy(), self._gather(shard, slots))
-        if plan.load_slots.numel():
-            rows = shard.store.read_rows(plan.load_ids.numpy())
-            self._scatter(shard, plan.load_slots, torch.from_numpy(rows))
+        self._move_rows([(shard, plan)])
+
+    @torch.no_grad()
+    def _move_rows(self, pairs: list[tuple[TieredTableShard, CachePlan]]) -> None:
+        """Carries out a batch's plans: every table's write-backs first, then every table's
+        reads, so a failed read never strands another table's evicted dirty rows unwritten."""
+        started = time.perf_counter()
+        try:
+            for shard, plan in pairs:
+                if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
+                    dirty = plan.evict_dirty
+                    shard.store.write_rows(
+                        plan.evict_ids[dirty].numpy(), self._gather(shard, plan.evict_slots[dirty])
+                    )
+            for shard, plan in pairs:
+                if plan.load_slots.numel():
+                    rows = shard.store.read_rows(plan.load_ids.numpy())
+                    self._scatter(shard, plan.load_slots, torch.from_numpy(rows))
+        except BaseException:
+            self._io_failed = True
+            raise
+        finally:
+            with self._counters_lock:
+                self._counters.io_seconds += time.perf_counter() - started
 
     def _gather(self, shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
         dev_slots = slots.to(shard.weight_slots.device)
