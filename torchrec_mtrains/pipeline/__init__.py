@@ -1,1 +1,7 @@
-"""pipeline"""
+"""Look-ahead prefetch train pipeline: the rows of upcoming batches are read from their tiers
+while the current batch trains (cDLRM), on TorchRec's pipeline machinery."""
+
+from torchrec_mtrains.pipeline.lookahead import LookaheadTrainPipeline
+from torchrec_mtrains.pipeline.stats import StepStats, TierSnapshot, snapshot, tiered_groups
+
+__all__ = ["LookaheadTrainPipeline", "StepStats", "TierSnapshot", "snapshot", "tiered_groups"]

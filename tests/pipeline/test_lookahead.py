@@ -1,0 +1,500 @@
+"""The look-ahead train pipeline: bitwise the plain loop (world size 1 and 2), rows in flight
+resident and never stale, per-step numbers, worker errors and Ctrl-C shut it down cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from lookahead_harness import (
+    Case,
+    batches,
+    build,
+    differences,
+    full_state,
+    groups_of,
+    io_threads,
+    make_optimizer,
+    run_case,
+    spawn_cases,
+    train_pipelined,
+    train_plain,
+)
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, StepStats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> Iterator[None]:
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine run far faster on one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def big_group(model: DistributedModelParallel) -> TieredTableGroup:
+    (group,) = [g for g in groups_of(model) if g.shards[0].name == "big"]
+    return group
+
+
+def tier_rows(model: DistributedModelParallel) -> dict[str, np.ndarray[Any, Any]]:
+    """Every tiered table's rows (weights and optimizer state) as they are on its tier."""
+    out = {}
+    for group in groups_of(model):
+        for i, shard in enumerate(group.shards):
+            out[shard.name] = np.array(group.mapped_rows(i))
+    return out
+
+
+def assert_same_tiers(a: DistributedModelParallel, b: DistributedModelParallel) -> None:
+    rows_a, rows_b = tier_rows(a), tier_rows(b)
+    assert rows_a.keys() == rows_b.keys() == {"big", "mid"}
+    for name in rows_a:
+        assert np.array_equal(rows_a[name], rows_b[name]), name
+
+
+# ------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(big_tier="block_scm", mid_tier="byte_scm", depth=1, optimizer="keyed"),
+        Case(big_tier="byte_scm", mid_tier="block_scm", depth=3, optimizer="torch", seed=1),
+    ],
+    ids=lambda c: c.id,
+)
+def test_pipelined_run_is_bitwise_the_plain_run(tmp_path: Path, case: Case) -> None:
+    result = run_case(case, rank=0, world_size=1, root=tmp_path)
+    assert result.diffs == {}
+    assert result.losses_equal
+    assert result.changed >= 8  # tables, dense and over arch all trained
+    # Every forward of both tiered kernels was served by a prefetch, none planned late.
+    assert result.prefetched == 2 * case.steps
+    assert result.unprefetched == 0
+    assert result.rows_fetched > 0
+    assert result.io_threads == []
+
+
+def test_restart_with_a_new_iterator_continues_the_same_run(tmp_path: Path) -> None:
+    case = Case(depth=2, steps=14)
+    data = batches(case, 0)
+    plain = build(case, tmp_path / "plain")
+    plain_opt = make_optimizer(case, plain)
+    train_plain(plain, plain_opt, data)
+    ahead = build(case, tmp_path / "ahead")
+    ahead_opt = make_optimizer(case, ahead)
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        ahead, ahead_opt, torch.device("cpu"), lookahead=2
+    )
+    for part in (data[:5], data[5:]):
+        it = iter(part)
+        with pytest.raises(StopIteration):
+            while True:
+                pipeline.progress(it)
+        # Stopped: worker gone, the model's own forward back (usable directly).
+        assert io_threads() == []
+        assert not any(g.background_io for g in groups_of(ahead))
+    assert pipeline.totals.steps == 14
+    assert differences(full_state(plain, plain_opt), full_state(ahead, ahead_opt)) == {}
+
+
+@pytest.mark.slow
+def test_world_size_two_is_bitwise_the_plain_run(tmp_path: Path) -> None:
+    cases = [
+        Case(depth=2, optimizer="keyed", sharding="rw", steps=12),
+        Case(
+            big_tier="byte_scm",
+            mid_tier="block_scm",
+            depth=1,
+            optimizer="torch",
+            sharding="tw",
+            steps=12,
+            seed=3,
+        ),
+    ]
+    per_rank = spawn_cases(cases, world_size=2, root=tmp_path)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(cases), results[-1].get("error")
+        for case, result in zip(cases, results):
+            assert result["error"] is None, result["error"]
+            where = f"rank {rank} {case.id}"
+            assert result["diffs"] == {}, where
+            assert result["losses_equal"], where
+            assert result["changed"] > 0, where
+            assert result["unprefetched"] == 0, where
+            assert result["io_threads"] == [], where
+    # Row-wise "big" has a shard on each rank; table-wise tiered tables live on rank 1.
+    assert per_rank[0][0]["prefetched"] == 12
+    assert per_rank[1][0]["prefetched"] == 24
+    assert per_rank[1][1]["prefetched"] == 24
+    assert per_rank[0][1]["prefetched"] == 0
+
+
+# --------------------------------------------------------------- residency and staleness
+
+
+class RecordingStore:
+    """Wraps a store's row I/O: keeps the last value written for each row, checks every read
+    of such a row returns it, and slows writes (longer than a step) so that I/O queues up and
+    a read could overtake the write-back of its row if the worker did not keep order."""
+
+    def __init__(self, store: Any, write_delay: float) -> None:
+        self.store = store
+        self.read, self.write = store.read_rows, store.write_rows
+        self.delay = write_delay
+        self.written: dict[int, np.ndarray[Any, Any]] = {}
+        self.writes = self.rereads = self.overlaps = 0
+        self.stale: list[int] = []
+        self._active = 0
+        self._lock = threading.Lock()
+        store.read_rows, store.write_rows = self.read_rows, self.write_rows
+
+    @contextlib.contextmanager
+    def _io(self) -> Iterator[None]:
+        """Counts I/O calls that run while another is running: one FIFO worker has none."""
+        with self._lock:
+            self._active += 1
+            self.overlaps += self._active > 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def write_rows(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> Any:
+        # Noted before the write lands, so a read overtaking it shows up as stale.
+        for i, row in zip(ids.tolist(), rows):
+            self.written[i] = row.copy()
+        with self._io():
+            self.writes += 1
+            time.sleep(self.delay)
+            return self.write(ids, rows)
+
+    def read_rows(self, ids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        with self._io():
+            rows = self.read(ids)
+        for i, row in zip(ids.tolist(), rows):
+            if i in self.written:
+                self.rereads += 1
+                if not np.array_equal(row, self.written[i]):
+                    self.stale.append(i)
+        return rows
+
+
+def check_in_flight(pipeline: LookaheadTrainPipeline[Batch, Any], depth: int) -> int:
+    """After a step: every batch still to run (prefetched) and the one just run have their rows
+    at their planned slots, and the prefetched ones are held. Returns the batches checked."""
+    checked = 0
+    for group in pipeline.groups:
+        queued = list(group._pending)
+        assert len(queued) <= depth
+        in_flight = [group._in_flight] if group._in_flight is not None else []
+        for batch in queued + in_flight:
+            is_queued = any(batch is q for q in queued)
+            for shard, plan, features in zip(group.shards, batch.plans, batch.per_table):
+                ids = torch.cat([batch.segments[f] for f in features])
+                assert torch.equal(shard.cache.slot_to_id[plan.slots], torch.unique(ids))
+                if is_queued:
+                    assert bool((shard.cache.holds[plan.slots] > 0).all())
+            checked += 1
+    return checked
+
+
+def test_rows_in_flight_stay_resident_and_are_never_read_stale(tmp_path: Path) -> None:
+    case = Case(depth=3, steps=30, seed=2)
+    data = batches(case, 0)
+    plain = build(case, tmp_path / "plain")
+    plain_opt = make_optimizer(case, plain)
+    train_plain(plain, plain_opt, data)
+
+    ahead = build(case, tmp_path / "ahead")
+    ahead_opt = make_optimizer(case, ahead)
+    recorder = RecordingStore(big_group(ahead).shards[0].store, write_delay=0.02)
+    checked: list[int] = []
+    train_pipelined(
+        ahead, ahead_opt, data, depth=3, on_step=lambda p: checked.append(check_in_flight(p, 3))
+    )
+    assert sum(checked) >= 3 * len(data)  # batches ahead were really queued
+    stats = big_group(ahead).shards[0].cache.stats
+    assert stats.evictions > 100 and stats.writebacks > 50
+    assert recorder.writes > 10
+    assert recorder.rereads > 20  # rows written back were read again ...
+    assert recorder.stale == []  # ... and always with their written value,
+    assert recorder.overlaps == 0  # as reads never overtake write-backs (one ordered worker)
+    assert differences(full_state(plain, plain_opt), full_state(ahead, ahead_opt)) == {}
+
+
+# ------------------------------------------------------------------------ per-step numbers
+
+
+def slow_store(group: TieredTableGroup, delay: float) -> None:
+    """Makes every read of the group's tiers take ``delay`` seconds more (sleep: no GIL)."""
+    for shard in group.shards:
+        read = shard.store.read_rows
+
+        def slow_read(ids: Any, read: Any = read) -> Any:
+            time.sleep(delay)
+            return read(ids)
+
+        shard.store.read_rows = slow_read
+
+
+def slow_compute(model: DistributedModelParallel, delay: float) -> None:
+    model.module.model.over_arch.register_forward_hook(lambda *_: time.sleep(delay))
+
+
+def test_per_step_numbers_show_the_io_hidden(tmp_path: Path) -> None:
+    case = Case(depth=2, steps=10, seed=4)
+    data = batches(case, 0)
+
+    plain = build(case, tmp_path / "plain")
+    slow_store(big_group(plain), 0.03)
+    slow_compute(plain, 0.04)
+    before = big_group(plain).io_counters()
+    train_plain(plain, make_optimizer(case, plain), data)
+    plain_io = big_group(plain).io_counters() - before
+    # Without look-ahead every row read is on the training thread's path.
+    assert plain_io.stall_seconds >= plain_io.io_seconds >= 0.03 * case.steps
+
+    ahead = build(case, tmp_path / "ahead")
+    group = big_group(ahead)
+    slow_store(group, 0.03)
+    slow_compute(ahead, 0.04)
+    reads_before = group.shards[0].store.stats.rows_read
+    steps: list[StepStats] = []
+    _, pipeline = train_pipelined(
+        ahead,
+        make_optimizer(case, ahead),
+        data,
+        depth=2,
+        on_step=lambda p: steps.append(p.last_step),
+    )
+    totals = pipeline.totals
+    assert len(steps) == totals.steps == case.steps
+    assert sum(s.rows_fetched for s in steps) == totals.rows_fetched
+    assert sum(s.seconds for s in steps) == pytest.approx(totals.seconds)
+    assert sum(s.stall_seconds for s in steps) == pytest.approx(totals.stall_seconds)
+    # Rows fetched counts both tiered tables; the big one's must match its tier's reads.
+    ahead_io = group.io_counters()
+    assert ahead_io.rows_fetched == group.shards[0].store.stats.rows_read - reads_before
+    assert 0 < totals.hit_rate < 1
+    assert all(0 <= s.hit_rate <= 1 and s.seconds > 0 for s in steps)
+    # The reads (0.03 s a batch) hide behind 0.04 s of compute: little stall left, most of it
+    # the first step's (nothing ran before it to hide its rows' read).
+    assert totals.prefetch_io_seconds >= 0.03 * case.steps
+    assert totals.stall_seconds < 0.3 * totals.prefetch_io_seconds
+    assert totals.stall_share < 0.1
+    assert steps[0].stall_seconds > 0.005
+
+
+def test_lookahead_must_be_a_positive_int(tmp_path: Path) -> None:
+    model = build(Case(), tmp_path)
+    optimizer = make_optimizer(Case(), model)
+    bad: Any
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="lookahead="):
+            LookaheadTrainPipeline(model, optimizer, torch.device("cpu"), lookahead=bad)
+
+
+# ---------------------------------------------------------------------- errors, Ctrl-C
+
+
+def failing_read(ids: Any) -> Any:
+    raise OSError(5, "Input/output error (injected)")
+
+
+def run_until_error(
+    pipeline: LookaheadTrainPipeline[Batch, Any], data: Iterator[Batch]
+) -> tuple[int, pytest.ExceptionInfo[BaseException]]:
+    done = 0
+    with pytest.raises(BaseException) as info:
+        while True:
+            pipeline.progress(data)
+            done += 1
+    return done, info
+
+
+def assert_clean_shutdown(model: DistributedModelParallel) -> None:
+    assert io_threads() == []
+    for group in groups_of(model):
+        assert not group.background_io
+        assert not group._pending
+        for shard in group.shards:
+            # Nothing held but the batch whose forward ran last (released by the next one).
+            in_flight = group._in_flight
+            held = int(shard.cache.holds.sum())
+            assert held == 0 or in_flight is not None
+
+
+def finish_plainly_and_compare(
+    tmp_path: Path,
+    case: Case,
+    model: DistributedModelParallel,
+    optimizer: torch.optim.Optimizer,
+    data: list[Batch],
+    done: int,
+) -> None:
+    """``model`` stopped after ``done`` batches: its tiers must hold exactly what the plain
+    loop's do after ``done`` batches (all flushed, nothing half written), and training the rest
+    plainly must end bitwise where the plain run of all batches ends."""
+    ref = build(case, tmp_path / "ref")
+    ref_opt = make_optimizer(case, ref)
+    train_plain(ref, ref_opt, data[:done])
+    for group in groups_of(ref):
+        group.flush()
+    assert_same_tiers(ref, model)
+    train_plain(ref, ref_opt, data[done:])
+    train_plain(model, optimizer, data[done:])
+    assert differences(full_state(ref, ref_opt), full_state(model, optimizer)) == {}
+
+
+def test_worker_error_surfaces_with_its_traceback_and_shuts_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = Case(depth=2, steps=12, seed=5)
+    data = batches(case, 0)
+    model = build(case, tmp_path / "ahead")
+    optimizer = make_optimizer(case, model)
+    store = big_group(model).shards[0].store
+    calls = 0
+    real_read = store.read_rows
+
+    def read(ids: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return failing_read(ids) if calls == 6 else real_read(ids)
+
+    monkeypatch.setattr(store, "read_rows", read)
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        model, optimizer, torch.device("cpu"), lookahead=2
+    )
+    done, info = run_until_error(pipeline, iter(data))
+    assert info.type is OSError and "injected" in str(info.value)
+    assert any(entry.name == "failing_read" for entry in info.traceback)
+    assert 3 <= done < case.steps
+    assert_clean_shutdown(model)
+    monkeypatch.setattr(store, "read_rows", real_read)
+    finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt (as Ctrl-C would) at the ``at``-th call, noting whether tier
+    I/O was still queued or running at that moment."""
+
+    def __init__(self, at: int, model: DistributedModelParallel) -> None:
+        self.at, self.calls, self.model = at, 0, model
+        self.io_in_flight = False
+
+    def __call__(self, *_: Any) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            self.io_in_flight = any(
+                b.io is not None and not b.io.done()
+                for g in groups_of(self.model)
+                for b in g._pending
+            )
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["data_iterator", "forward_hook"])
+def test_ctrl_c_stops_the_worker_and_leaves_the_tiers_flushed(tmp_path: Path, where: str) -> None:
+    case = Case(depth=3, steps=14, seed=6)
+    data = batches(case, 0)
+    model = build(case, tmp_path / "ahead")
+    optimizer = make_optimizer(case, model)
+    slow_store(big_group(model), 0.02)  # keep the worker busy when the interrupt comes
+    interrupt = Interrupt(at=8, model=model)
+    if where == "data_iterator":
+
+        def source() -> Iterator[Batch]:
+            for batch in data:
+                interrupt()
+                yield batch
+
+        it: Iterator[Batch] = source()
+    else:
+        hook = model.module.model.dense_arch.register_forward_pre_hook(interrupt)
+        it = iter(data)
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        model, optimizer, torch.device("cpu"), lookahead=3
+    )
+    done, info = run_until_error(pipeline, it)
+    assert info.type is KeyboardInterrupt
+    assert interrupt.io_in_flight
+    # The 8th batch read is batch 7, read after the forward of batch 7 - 3; the 8th forward is
+    # batch 7's. Either way the steps before it completed.
+    assert done == (4 if where == "data_iterator" else 7)
+    assert_clean_shutdown(model)
+    if where == "forward_hook":
+        hook.remove()
+    for group in groups_of(model):
+        for shard in group.shards:
+            shard.store.read_rows = type(shard.store).read_rows.__get__(shard.store)
+    finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiered_kernel_runs_in_torchrec_prefetch_pipeline(tmp_path: Path) -> None:
+    """On CUDA, TorchRec's own PrefetchTrainPipelineSparseDist drives the tiered kernels'
+    prefetch through the grouped lookups; training matches the plain loop."""
+    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    case = Case(depth=1, steps=12)
+    data = batches(case, 0)
+    plain = build(case, tmp_path / "plain", device=cuda)
+    plain_opt = make_optimizer(case, plain)
+    train_plain(plain, plain_opt, [b.to(cuda) for b in data])
+
+    model = build(case, tmp_path / "ahead", device=cuda)
+    optimizer = make_optimizer(case, model)
+    for group in groups_of(model):
+        group.background_io = True
+    pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, cuda)
+    it = iter(data)
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(it)
+    counters = [g.io_counters() for g in groups_of(model)]
+    assert sum(c.prefetched_batches for c in counters) == 2 * case.steps
+    assert sum(c.unprefetched_batches for c in counters) == 0
+    for group in groups_of(model):
+        group.stop_background_io()
+    a, b = full_state(plain, plain_opt), full_state(model, optimizer)
+    for key in a:
+        torch.testing.assert_close(a[key].cpu(), b[key].cpu(), rtol=1e-5, atol=1e-6, msg=key)

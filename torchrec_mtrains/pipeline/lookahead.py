@@ -1,0 +1,287 @@
+"""A train pipeline that reads the rows of the next ``k`` batches while the current one trains.
+
+cDLRM's look-ahead, on TorchRec's own pipeline machinery. TorchRec's
+``PrefetchTrainPipelineSparseDist`` has the right shape (rewrite the model so each sharded
+module's input distribution runs ahead of its forward, hand the distributed input to the
+module's ``prefetch``, let the forward consume it) but cannot run on CPU: it prefetches through
+``prefetch_embeddings``, which returns at once without a data-dist CUDA stream, so
+``PrefetchPipelinedForward`` then asserts on a missing input. It also looks ahead exactly one
+batch. :class:`LookaheadTrainPipeline` keeps TorchRec's model rewrite (``_rewrite_model`` with
+``PrefetchPipelinedForward``), batch queue, contexts and input-dist stages from
+``TrainPipelineSparseDist`` and replaces the schedule: the prefetch step is stream-free and the
+queue holds ``k`` prefetched batches.
+
+On CPU the one thing that overlaps training is the tiered kernels' background tier I/O: a
+batch's rows are planned on the training thread (ids to cache slots, held so nothing evicts
+them) and read by the tier worker while earlier batches run forward, backward and optimizer.
+The kernel guarantees correctness as long as prefetches are issued in the order the batches
+run, which this pipeline does by construction: rows of batches in flight are never evicted, and
+a row written back is never read stale (one FIFO worker). So a pipelined run trains bitwise the
+same weights and optimizer state as the plain loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import torch
+from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.types import Awaitable
+
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.pipeline.stats import StepStats, snapshot, tiered_groups
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type: ignore[misc]
+    """Trains batch ``i`` while batches ``i+1 .. i+k`` are input-distributed and their missing
+    rows read into the tiered caches by the tier worker.
+
+    Each :meth:`progress` call runs one batch: forward of batch ``i`` (its rows were prefetched
+    ``k`` steps ago, so it waits only for I/O not yet done), then reads batch ``i+k`` from the
+    data iterator, input-distributes it and prefetches it (its I/O now overlaps backward and
+    optimizer of ``i`` and the next forwards), then backward and optimizer of ``i``. Prefetching
+    after the forward means the caches must hold ``k + 1`` batches' rows at once, the minimum.
+
+    When the iterator ends the queued batches still run; then :meth:`progress` raises
+    ``StopIteration`` and the pipeline stops its I/O worker and restores the model's forwards
+    (:meth:`close`), so the model can be used directly (e.g. for evaluation). On any exception or
+    ``KeyboardInterrupt`` inside :meth:`progress` (a worker's I/O error surfaces in the forward
+    that needed the rows, with the worker's traceback) the pipeline waits for the queued tier
+    I/O, drops the batches not yet trained, stops the worker, writes dirty rows back and
+    re-raises, so no thread is left and no row on a tier is half written.
+
+    Tables on TorchRec's own kernels simply pass through: their modules' ``prefetch`` is a no-op.
+
+    Args:
+        model: the ``DistributedModelParallel`` model (its sharded modules' inputs must come
+            from the batch by attribute access only, as TorchRec's ``TrainPipelineSparseDist``
+            requires).
+        optimizer: steps after backward; e.g. a ``CombinedOptimizer`` of
+            ``model.fused_optimizer`` and a ``KeyedOptimizerWrapper`` over the dense parameters,
+            or a plain torch optimizer over the dense parameters (the fused tables update in
+            backward either way).
+        device: where the model computes (``cpu``; on CUDA TorchRec's stream-based
+            ``PrefetchTrainPipelineSparseDist`` is the better choice and also drives the tiered
+            kernels).
+        lookahead: ``k``, batches prefetched ahead of the running one (>= 1).
+        custom_model_fwd: as TorchRec's: called with the batch instead of ``model``, returns
+            ``(losses, output)``.
+
+    Raises:
+        ValueError: if ``lookahead`` is below 1.
+
+    Example::
+
+        pipeline = LookaheadTrainPipeline(model, optimizer, torch.device("cpu"), lookahead=2)
+        with pipeline:
+            for _ in range(steps):
+                loss, _ = pipeline.progress(batches)
+                print(pipeline.last_step.stall_share)
+    """
+
+    _pipelined_forward_type = PrefetchPipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        lookahead: int = 1,
+        custom_model_fwd: Callable[[In | None], tuple[torch.Tensor, Out]] | None = None,
+    ) -> None:
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+            raise ValueError(
+                f"lookahead={lookahead!r}: give the number of batches to prefetch ahead of the "
+                "running one, an int >= 1 (train without the pipeline for no look-ahead)"
+            )
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            device=device,
+            execute_all_batches=True,
+            context_type=PrefetchTrainPipelineContext,
+            custom_model_fwd=custom_model_fwd,
+        )
+        self._lookahead = lookahead
+        self._groups: list[TieredTableGroup] | None = None
+        # True from a step's start until the pipeline shuts down (nothing to stop otherwise).
+        self._running = False
+        self.last_step: StepStats | None = None
+        self.totals = StepStats()
+
+    @property
+    def lookahead(self) -> int:
+        return self._lookahead
+
+    @property
+    def groups(self) -> list[TieredTableGroup]:
+        """The tiered kernels this pipeline prefetches for (found on first use: DMP builds
+        them)."""
+        if self._groups is None:
+            self._groups = tiered_groups(self._model)
+        return self._groups
+
+    # ------------------------------------------------------------------------------ running
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """Runs one batch (see the class docstring); returns the model's output for it.
+
+        Raises:
+            StopIteration: when the iterator is exhausted and every queued batch has run.
+        """
+        try:
+            return self._progress(dataloader_iter)
+        except StopIteration:
+            self.close()
+            raise
+        except BaseException as error:
+            self._abort(error)
+            raise
+
+    def _progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if not self._model_attached:
+            self.attach(self._model)
+        self._running = True
+        for group in self.groups:
+            if not group.background_io:
+                group.background_io = True
+        started = time.perf_counter()
+        before = snapshot(self.groups)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        training = bool(self._model.training)
+        if training:
+            self._optimizer.zero_grad()
+        losses, output = self._model_fwd(self.batches[0])
+        # Batch i+k. After the forward: batch i-1's rows are released by then, so the caches
+        # need room for k+1 batches, not k+2.
+        if self.enqueue_batch(dataloader_iter):
+            self._distribute_and_prefetch(self.batches[-1], self.contexts[-1])
+        if training:
+            self._backward(losses)
+            self._optimizer_step()
+        self.dequeue_batch()
+        self._record(
+            StepStats.between(before, snapshot(self.groups), time.perf_counter() - started)
+        )
+        return output
+
+    def fill_pipeline(self, dataloader_iter: Iterator[In]) -> None:
+        """Queues and prefetches the first ``k`` batches (only when the queue is empty: at the
+        start, or with a new iterator after the last one ran out)."""
+        if self.batches:
+            return
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        # Rewrites the model on the first batch (tracing needs one) and starts its input dist.
+        self._init_pipelined_modules(
+            self.batches[0], self.contexts[0], self._pipelined_forward_type
+        )
+        self._finish_distribution_and_prefetch(self.contexts[0])
+        while len(self.batches) < self._lookahead and self.enqueue_batch(dataloader_iter):
+            self._distribute_and_prefetch(self.batches[-1], self.contexts[-1])
+
+    def _distribute_and_prefetch(self, batch: In, context: PrefetchTrainPipelineContext) -> None:
+        self.start_sparse_data_dist(batch, context)
+        self._finish_distribution_and_prefetch(context)
+
+    def _finish_distribution_and_prefetch(self, context: PrefetchTrainPipelineContext) -> None:
+        """Completes a batch's input distribution and hands each sharded module its part.
+
+        TorchRec's ``prefetch_embeddings`` without the streams: the distributed input and the
+        module context move to the ``*_post_prefetch`` fields, where
+        ``PrefetchPipelinedForward`` takes them in the batch's forward."""
+        self.wait_sparse_data_dist(context)
+        for module in self._pipelined_modules:
+            name = module.forward.name
+            request = context.input_dist_tensors_requests.pop(name)
+            if not isinstance(request, Awaitable):
+                raise TypeError(f"{name}: input dist gave {type(request).__name__}")
+            dist_input = request.wait()
+            module_context = context.module_contexts.pop(name)
+            module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_context)
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_context
+
+    def _record(self, stats: StepStats) -> None:
+        self.last_step = stats
+        self.totals = self.totals + stats
+        logger.debug(
+            "step %d: %.4f s, stall %.4f s (%.1f%%), prefetch I/O %.4f s, %d rows fetched, "
+            "hit rate %.3f",
+            self.totals.steps,
+            stats.seconds,
+            stats.stall_seconds,
+            100 * stats.stall_share,
+            stats.prefetch_io_seconds,
+            stats.rows_fetched,
+            stats.hit_rate,
+        )
+
+    # ----------------------------------------------------------------------------- stopping
+
+    def close(self) -> None:
+        """Ends the run: stops the tier worker after its queued I/O, writes dirty rows back,
+        drops batches read but not trained (none once :meth:`progress` raised
+        ``StopIteration``) and restores the model's own forwards. A later :meth:`progress`
+        starts over on its iterator."""
+        if self.batches:
+            logger.warning("closing with %d batches read but not trained", len(self.batches))
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._running = False
+        first: BaseException | None = None
+        for group in self.groups:
+            error = group.stop_background_io()
+            first = first or error
+        if first is not None:
+            # Only a batch that never ran holds an unreported error.
+            logger.warning("tier I/O of a batch that did not run failed: %r", first)
+        self.batches.clear()
+        self.contexts.clear()
+        for group in self.groups:
+            group.flush()
+        if self._model_attached:
+            self.detach()
+
+    def _abort(self, error: BaseException) -> None:
+        """Shuts down after ``error`` escaped a step. Never raises (``error`` is what the
+        caller must see) but logs a failure to shut down cleanly."""
+        logger.warning(
+            "stopping the look-ahead pipeline after %s; %d batches read but not trained are "
+            "dropped",
+            type(error).__name__,
+            len(self.batches),
+        )
+        try:
+            self._shutdown()
+        except Exception:
+            logger.exception("the look-ahead pipeline did not shut down cleanly")
+
+    def __enter__(self) -> LookaheadTrainPipeline[In, Out]:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        elif self._running:  # an error outside progress(), which shuts down on its own
+            self._abort(exc)
