@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -45,6 +46,7 @@ from apps.dlrm.data import build_dataloader
 from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, TierSnapshot, snapshot, tiered_groups
 from torchrec_mtrains.tiers.base import OpenMode, RowStoreError
 from torchrec_mtrains.types import Tier
 
@@ -328,14 +330,56 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
-    """A batch with more distinct rows of a table than its cache holds is a sizing problem."""
+    """A batch with more distinct rows of a table than its cache holds is a sizing problem.
+    With look-ahead the cache holds ``lookahead + 1`` batches at once."""
     try:
         yield
     except CacheTooSmallError as e:
+        lookahead = int(cfg.pipeline.get("lookahead", 0))
+        also = (
+            f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
+            "batches besides the running one)"
+            if lookahead
+            else ""
+        )
         raise ConfigError(
             f"{e}. Raise planner.cache_load_factor (now {cfg.planner.cache_load_factor}) or "
-            f"lower data.batch_size (now {cfg.data.batch_size})."
+            f"lower data.batch_size (now {cfg.data.batch_size}){also}."
         ) from None
+
+
+def _lookahead(cfg: DictConfig) -> int:
+    value = OmegaConf.select(cfg, "pipeline.lookahead", default=0)
+    try:
+        lookahead = int(value)
+    except (TypeError, ValueError):
+        lookahead = -1
+    if lookahead < 0 or isinstance(value, bool):
+        raise ConfigError(
+            f"pipeline.lookahead={value!r}: give the number of batches to prefetch ahead of the "
+            "running one (0 = the plain training loop, no look-ahead)"
+        )
+    return lookahead
+
+
+def io_totals(
+    before: TierSnapshot, after: TierSnapshot, seconds: float, world: int
+) -> dict[str, float]:
+    """Tier I/O of the training phase: ``stall_s`` the training thread spent blocked on tier
+    I/O (the slowest rank's, as the slowest rank sets the pace), ``prefetch_io_s`` and
+    ``rows_fetched`` summed over ranks, ``stall_share`` of the training time."""
+    delta = after - before
+    stall = torch.tensor([delta.io.stall_seconds], dtype=torch.float64)
+    summed = torch.tensor([delta.io.io_seconds, float(delta.io.rows_fetched)], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(stall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(summed)
+    return {
+        "stall_s": float(stall[0]),
+        "prefetch_io_s": float(summed[0]),
+        "rows_fetched": int(summed[1]),
+        "stall_share": float(stall[0]) / seconds if seconds > 0 else 0.0,
+    }
 
 
 def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path] | None:
@@ -357,11 +401,7 @@ def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path]
 
 def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
-    if int(cfg.pipeline.get("lookahead", 0)) != 0:
-        raise ConfigError(
-            f"pipeline.lookahead={cfg.pipeline.lookahead}: the look-ahead prefetch pipeline is not "
-            "wired into this app yet; use pipeline.lookahead=0 (the plain training loop)."
-        )
+    lookahead = _lookahead(cfg)
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     last = _resume_point(cfg, run_dir, rank)
@@ -399,34 +439,45 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     )
     losses: list[float] = []
     samples = 0
+    groups = tiered_groups(model)
+    io_before = snapshot(groups)
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
     log_every = max(1, int(cfg.run.log_every))
-    with _cache_errors_explained(cfg):
+    step_fn = _plain_step(model, optimizer, batches)
+    pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
+    if lookahead:
+        # The pipeline reads ahead, so it gets exactly the training batches: evaluation
+        # continues on `batches` where training stopped, as in the plain loop.
+        pipeline = LookaheadTrainPipeline(
+            model, optimizer, torch.device("cpu"), lookahead=lookahead
+        )
+        step_fn = _pipelined_step(pipeline, itertools.islice(batches, steps - start))
+    running = pipeline if pipeline is not None else contextlib.nullcontext()
+    with _cache_errors_explained(cfg), running:
         for step in range(start, steps):
             try:
-                batch = next(batches)
+                loss, batch_size = step_fn()
             except StopIteration:
                 logger.warning("data ran out after %d batches", step)
                 break
-            optimizer.zero_grad()
-            loss, _ = model(batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            samples += int(batch.labels.numel()) * world
+            losses.append(loss)
+            samples += batch_size * world
             if rank == 0 and (step + 1) % log_every == 0:
                 rate = samples / (time.perf_counter() - timed_start)
+                so_far = snapshot(groups) - io_before
                 bar.set_postfix(
                     samples_s=f"{rate:,.0f}",
                     loss=f"{losses[-1]:.4f}",
                     hit=f"{_hit_rate(tier_stats(model)):.3f}",
+                    stall=f"{so_far.io.stall_seconds / (time.perf_counter() - timed_start):.1%}",
                 )
             bar.update(1)
             if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
                 save_checkpoint(model, optimizer, run_dir, step + 1)
     bar.close()
     elapsed = time.perf_counter() - timed_start
+    io_train = io_totals(io_before, snapshot(groups), elapsed, world)
     trained_steps = len(losses)
 
     phases["train"] = elapsed
@@ -453,6 +504,8 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
         "eval_auc": auc,
         "eval_ne": ne,
         "cache_hit_rate": _hit_rate(stats),
+        "lookahead": lookahead,
+        **io_train,
         "tables": stats,
         "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
         "checkpoint": str(ckpt),
@@ -462,6 +515,36 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print(summary(metrics, run_dir), flush=True)
     return metrics
+
+
+def _plain_step(
+    model: DistributedModelParallel, optimizer: CombinedOptimizer, batches: Iterator[Batch]
+) -> Callable[[], tuple[float, int]]:
+    """One step of the plain loop (no look-ahead): each batch's rows are read from the tiers
+    when its forward needs them. Returns ``(loss, samples)``; raises StopIteration at the end
+    of the data."""
+
+    def step() -> tuple[float, int]:
+        batch = next(batches)
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach()), int(batch.labels.numel())
+
+    return step
+
+
+def _pipelined_step(
+    pipeline: LookaheadTrainPipeline[Batch, Any], batches: Iterator[Batch]
+) -> Callable[[], tuple[float, int]]:
+    """One step of the look-ahead pipeline: the same ``(loss, samples)`` as the plain step."""
+
+    def step() -> tuple[float, int]:
+        loss, _, labels = pipeline.progress(batches)
+        return float(loss), int(labels.numel())
+
+    return step
 
 
 @torch.no_grad()
@@ -516,6 +599,9 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
         f"eval AUC          {_fmt(metrics['eval_auc'])}",
         f"eval NE           {_fmt(metrics['eval_ne'])}",
         f"cache hit rate    {metrics['cache_hit_rate']:.3f}",
+        f"tier stall        {metrics['stall_s']:.2f} s, {metrics['stall_share']:.1%} of "
+        f"training (look-ahead {metrics['lookahead'] or 'off'}; prefetch I/O "
+        f"{metrics['prefetch_io_s']:.2f} s, {metrics['rows_fetched']:,} rows fetched)",
         "time (s)          "
         + ", ".join(f"{k} {v:.1f}" for k, v in metrics.get("seconds", {}).items()),
         f"{'table':<14}{'hit rate':>10}{'MB read':>10}{'MB written':>12}",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -23,6 +24,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from apps.dlrm.placement import balance_ranks, parse_bytes, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 
 REPO = Path(__file__).resolve().parents[3]
 CONF = REPO / "conf"
@@ -264,6 +266,36 @@ def test_ranks_are_balanced_largest_table_first() -> None:
     assert {ranks["t0"], ranks["t1"], ranks["t2"]} == {0, 1}
 
 
-def test_lookahead_is_refused_until_the_pipeline_exists(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"pipeline\.lookahead=2"):
-        main(config(tmp_path / "run", "pipeline.lookahead=2"))
+def test_lookahead_trains_exactly_as_the_plain_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look-ahead pipeline changes when rows are read, never what is trained: the same
+    losses, evaluation and tier traffic, with the stall moved off the training thread."""
+    steps: list[int] = []
+    progress = LookaheadTrainPipeline.progress
+
+    def counted(self: LookaheadTrainPipeline[Any, Any], it: Any) -> Any:
+        steps.append(self.lookahead)
+        return progress(self, it)
+
+    monkeypatch.setattr(LookaheadTrainPipeline, "progress", counted)
+    plain = main(config(tmp_path / "plain", "run.steps=12", "pipeline.lookahead=0"))
+    assert steps == []
+    ahead = main(config(tmp_path / "ahead", "run.steps=12", "pipeline.lookahead=2"))
+    assert steps == [2] * 12
+
+    for key in ("steps", "train_loss_last", "train_loss_mean_last_10pct", "eval_auc", "eval_ne"):
+        assert ahead[key] == plain[key], key
+    assert ahead["rows_fetched"] == plain["rows_fetched"] > 0
+    assert (ahead["lookahead"], plain["lookahead"]) == (2, 0)
+    written = read_metrics(tmp_path / "ahead")
+    for key in ("stall_s", "prefetch_io_s", "rows_fetched", "stall_share"):
+        assert written[key] == ahead[key], key
+    # Without look-ahead every tier read is on the training thread's path.
+    assert plain["stall_s"] >= plain["prefetch_io_s"] > 0
+    assert 0 <= ahead["stall_share"] < 1
+
+
+def test_negative_lookahead_names_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pipeline\.lookahead=-1"):
+        main(config(tmp_path / "run", "pipeline.lookahead=-1"))
