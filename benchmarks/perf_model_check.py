@@ -349,20 +349,25 @@ def calibrate_cache(root: Path, steps: int) -> dict[str, float]:
     }
 
 
-def run_fio(directory: Path, seconds: int = 5) -> dict[str, float] | None:
+FIO_JOBS = {
+    "read_qd1": ("randread", 1),
+    "read_qd32": ("randread", 32),
+    "write_qd32": ("randwrite", 32),
+}
+
+
+def run_fio(
+    directory: Path, seconds: int = 5, jobs: Sequence[str] = tuple(FIO_JOBS)
+) -> dict[str, float] | None:
     """The disk under ``directory``: random 4 KiB reads at queue depth 1 (a page fault's wait)
     and 32, random 4 KiB writes at 32 (O_DIRECT); ``None`` without fio."""
     if shutil.which("fio") is None:
         return None
     out: dict[str, float] = {}
     target = directory / "fiofile"
-    jobs = {
-        "read_qd1": ("randread", 1),
-        "read_qd32": ("randread", 32),
-        "write_qd32": ("randwrite", 32),
-    }
     try:
-        for key, (rw, depth) in jobs.items():
+        for key in jobs:
+            rw, depth = FIO_JOBS[key]
             cmd = [
                 "fio", "--name=f", f"--rw={rw}", "--bs=4k", f"--iodepth={depth}",
                 "--ioengine=libaio", "--direct=1", "--size=1g", f"--runtime={seconds}",
@@ -636,7 +641,11 @@ def check(args: argparse.Namespace) -> list[CheckResult]:
     )
     results = []
     root = Path(tempfile.mkdtemp(prefix="perf-check-", dir=args.dir))
+    disk: list[float] = []
     try:
+        if not args.quick:  # the disk is shared: say what it delivered during this run
+            probe = run_fio(root, seconds=3, jobs=("read_qd32",))
+            disk += [probe["read_qd32_iops"]] if probe else []
         with process_group():
             for name, what in check_configs(args.quick):
                 plan = None
@@ -682,8 +691,17 @@ def check(args: argparse.Namespace) -> list[CheckResult]:
                     f"{result.measured_ms:8.2f} ms   error {result.error:+6.1%}",
                     flush=True,
                 )
+        if not args.quick:
+            probe = run_fio(root, seconds=3, jobs=("read_qd32",))
+            disk += [probe["read_qd32_iops"]] if probe else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if disk and host.block_scm is not None:
+        print(
+            "disk: fio random 4 KiB reads at QD32 before / after: "
+            + " / ".join(f"{d:,.0f}" for d in disk)
+            + f" IOPS (the preset's block tier assumes {host.block_scm.read_iops:,.0f})"
+        )
     errors = [abs(r.error) for r in results]
     print(
         f"\n{len(results)} configurations: mean |error| {statistics.mean(errors):.1%}, "

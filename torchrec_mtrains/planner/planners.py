@@ -28,6 +28,7 @@ from torchrec.distributed.planner.stats import NoopEmbeddingStats
 from torchrec.distributed.planner.types import (
     KernelConfig,
     PlannerError,
+    PlannerErrorType,
     StorageReservation,
     Topology,
     TopologyFactory,
@@ -205,13 +206,19 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
             PlacementError: when no placement fits, with demand against capacity per tier and
                 rank.
         """
+        self.tier_partitioner.last_report = None
         try:
             plan = super().plan(module, sharders)
         except PlacementError:
             raise
         except PlannerError as e:
+            # TorchRec reports that no proposal partitioned; our partitioner knows why.
             report = self.tier_partitioner.last_report
-            if report is None:
+            no_fit = e.error_type in (
+                PlannerErrorType.INSUFFICIENT_STORAGE,
+                PlannerErrorType.STRICT_CONSTRAINTS,
+            )
+            if report is None or not no_fit:
                 raise
             raise PlacementError(report) from e
         best = cast(list[TieredShardingOption], self._best_plan)
