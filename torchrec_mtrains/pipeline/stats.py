@@ -41,6 +41,7 @@ class StepStats:
             overlaps training, so it may exceed ``seconds - stall_seconds``.
         rows_fetched: rows read from the tiers for the batches planned in the step(s) (with
             look-ahead, the batch ``k`` steps ahead).
+        rows_written_back: dirty rows those batches evicted, written to the tiers.
         lookups / hits: unique rows planned and those already cached, for the same batches.
     """
 
@@ -49,6 +50,7 @@ class StepStats:
     stall_seconds: float = 0.0
     prefetch_io_seconds: float = 0.0
     rows_fetched: int = 0
+    rows_written_back: int = 0
     lookups: int = 0
     hits: int = 0
 
@@ -75,6 +77,7 @@ class StepStats:
             stall_seconds=delta.io.stall_seconds,
             prefetch_io_seconds=delta.io.io_seconds,
             rows_fetched=delta.io.rows_fetched,
+            rows_written_back=delta.io.rows_written_back,
             lookups=delta.lookups,
             hits=delta.hits,
         )
