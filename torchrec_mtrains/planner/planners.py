@@ -16,6 +16,7 @@ ready for ``DistributedModelParallel`` with the tiered sharders.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, cast
@@ -380,9 +381,12 @@ def plan_from_config(
             values = values * len(names)
         if len(values) == len(names):
             poolings = dict(zip(names, values))
+    topology = topology_from_config(cfg.hardware)
+    if config.dram_budget:
+        topology = with_dram_budget(topology, config.dram_budget)
     return plan_tables(
         ebc,
-        topology_from_config(cfg.hardware),
+        topology,
         world_size,
         int(cfg.data.batch_size),
         profile,
@@ -390,4 +394,16 @@ def plan_from_config(
         local_world_size=local_world_size,
         config=config,
         poolings=poolings,
+    )
+
+
+def with_dram_budget(topology: HostTopology, budget: str) -> HostTopology:
+    """``topology`` with its DRAM capacity set so that ``budget`` is left for tables and caches
+    after ``dram_reserved``."""
+    from torchrec_mtrains.planner.topology import parse_size
+
+    usable = parse_size(budget, "planner.dram_budget")
+    capacity = usable + parse_size(topology.dram_reserved, "hardware.dram_reserved")
+    return dataclasses.replace(
+        topology, dram=dataclasses.replace(topology.dram, capacity=str(capacity))
     )

@@ -58,6 +58,9 @@ class PlannerConfig:
             heaviest table to shorten the step.
         profile: path of an access profile JSON (``python -m torchrec_mtrains.profile``);
             empty for none.
+        dram_budget: host memory per host the embedding tables and their caches may use
+            (e.g. ``2GB``), in place of the topology's DRAM capacity less ``dram_reserved``;
+            empty for the topology's. This is how a run emulates a capacity-bound host.
     """
 
     name: str = "tiered"
@@ -71,6 +74,7 @@ class PlannerConfig:
     split_tables: bool = True
     balance_rounds: int = 8
     profile: str = ""
+    dram_budget: str = ""
 
     def __post_init__(self) -> None:
         if self.cache_policy not in POLICIES:
