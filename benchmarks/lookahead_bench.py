@@ -101,6 +101,8 @@ def make_config(args: argparse.Namespace, run_dir: Path) -> DictConfig:
         f"data.zipf_exponents=[{args.zipf}]",
         f"data.pooling_factors=[{args.pooling}]",
         f"data.num_batches={args.warmup + args.steps + 1}",
+        # The size rule places exactly: big tables on block SCM, small ones in DRAM.
+        "planner=size_rule",
         f"planner.dram_budget={small_bytes * args.small_tables + 1}",
         f"planner.block_scm_min_bytes={small_bytes + 1}",
         f"planner.cache_load_factor={args.cache_load_factor}",
