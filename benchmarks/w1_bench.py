@@ -1,0 +1,1199 @@
+"""W1: Criteo-Kaggle-shaped training, side by side: DRAM (A), mmap + stock kernel (B), tiered.
+
+Workload W1: 26 one-hot sparse features with the Criteo Kaggle cardinalities (33.8 M rows), dim
+64, Zipf(1.1) ids through a fixed random permutation per table (``SyntheticCriteoDataset``),
+batch 8192, row-wise Adagrad (fused), and a small dense part (13 dense features -> 16, then
+``concat(dense, 26 pooled embeddings)`` -> 16 -> 1) so the embedding path dominates the step.
+
+Variants, each in its own subprocess:
+
+* ``A``: TorchRec's FUSED kernel with every table in DRAM; no memory cap (the upper bound).
+* ``B``: what a user tries first: TorchRec's FUSED kernel whose host weights and row-wise
+  momentum are memory-mapped files (``mmap(MAP_SHARED)`` handed to fbgemm's TBE as
+  ``preallocated_host_buffers``), paged by the OS. The run checks that the kernel's weights are
+  the mapping and that the file holds the trained rows.
+* ``ours``: the tiered planner's plan (``torchrec_mtrains.planner.plan_tables``) for the DRAM
+  budget: small tables on FUSED in DRAM, big ones on the block tier (O_DIRECT) behind row
+  caches, trained by the look-ahead pipeline (``torchrec_mtrains.pipeline``): the rows of the
+  next ``--lookahead`` batches are read in the background (``--lookahead 0``: the plain loop).
+
+B and ours run under a memory cap of ``budget x embedding bytes + overhead``: the overhead is the
+peak memory of a probe process that does everything the variants do (imports, dense model,
+batches, fbgemm's buffers) with tiny tables, measured in its own cgroup. The cap is a cgroup
+memory limit (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``), so the page cache counts
+against it; each capped run starts with the tier files evicted from the page cache. Without
+root or a memory controller the cap is skipped, and said so.
+
+Each variant warms up, then times ``--windows`` windows of ``--window-steps`` steps: samples/s is
+the median window. Reported per variant: samples/s and its ratio to A, cache hit rates, storage
+I/O rates (``/proc/self/io``), major faults, stall time (ours: time the training thread waited
+for tier I/O; all: step time beyond A's), peak RSS and the cgroup's peak usage. The block tier's
+miss service (rows read per second of read time) is compared with fio's random 4 KiB reads at
+queue depth 32 on the same file system.
+
+Example::
+
+    python benchmarks/w1_bench.py --out results/w1.json                 # full size (~25 min)
+    python benchmarks/w1_bench.py --budgets 0.15 --out /tmp/w1.json     # one budget
+    python benchmarks/w1_bench.py --smoke --out /tmp/w1_smoke.json      # seconds; the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import itertools
+import json
+import logging
+import math
+import mmap
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    OptimType,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from apps.dlrm.data import (
+    CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE,
+    SyntheticCriteoDataset,
+    SyntheticDataConfig,
+)
+from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline
+from torchrec_mtrains.planner import (
+    PlannerConfig,
+    load_topology,
+    parse_size,
+    plan_tables,
+    zipf_access,
+)
+from torchrec_mtrains.tiers import OpenMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    MemoryCgroup,
+    ProcessCounters,
+    cgroup_support,
+    disk_free_bytes,
+    drop_file_cache,
+    machine_info,
+    median_windows,
+    rss_bytes,
+    run_fio,
+    write_json,
+)
+
+logger = logging.getLogger("w1_bench")
+
+LR = 0.05
+STATE_WIDTH = 1  # row-wise Adagrad: one float of state per row
+EBC_NAME = "ebc"
+TARGET_VS_A = 0.9
+TARGET_VS_B = 3.0
+TARGET_FIO = 0.7
+TARGET_BUDGET = 0.15
+VARIANTS = ("A", "B", "B_plain", "ours")
+# The block tier's buffers are DRAM too: passes of at most 4 MiB of blocks (1024 I/Os, plenty to
+# keep 32 in flight) keep each store's idle buffers under ~8 MiB; the plan leaves room for them.
+IO_PASS_BYTES = 4 << 20
+IO_RESERVE_BYTES = 32 << 20
+
+
+# ---------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Table sizes, dim, skew and batch of a W1 run (``scale`` shrinks every table)."""
+
+    sizes: tuple[int, ...]
+    dim: int = 64
+    zipf: float = 1.1
+    batch_size: int = 8192
+    num_dense: int = 13
+    seed: int = 0
+
+    @classmethod
+    def full(cls, scale: float = 1.0, batch_size: int = 8192) -> Workload:
+        sizes = tuple(max(1, round(n * scale)) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
+        return cls(sizes=sizes, batch_size=batch_size)
+
+    @classmethod
+    def smoke(cls) -> Workload:
+        """Tiny: the Kaggle shape divided by 200 (largest table 51k rows), dim 16, batch 256."""
+        sizes = tuple(max(4, n // 200) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
+        return cls(sizes=sizes, dim=16, batch_size=256)
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.dim + STATE_WIDTH) * 4
+
+    @property
+    def embedding_bytes(self) -> int:
+        """Weights plus row-wise optimizer state of all tables, float32."""
+        return sum(self.sizes) * self.row_bytes
+
+    def configs(self, sizes: Sequence[int] | None = None) -> list[EmbeddingBagConfig]:
+        return [
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}",
+                embedding_dim=self.dim,
+                num_embeddings=n,
+                feature_names=[f"cat_{i}"],
+            )
+            for i, n in enumerate(sizes or self.sizes)
+        ]
+
+    def dataset(self, sizes: Sequence[int] | None = None) -> SyntheticCriteoDataset:
+        return SyntheticCriteoDataset(
+            SyntheticDataConfig(
+                batch_size=self.batch_size,
+                num_batches=1 << 30,
+                seed=self.seed,
+                num_dense_features=self.num_dense,
+                num_sparse_features=len(self.sizes),
+                num_embeddings_per_feature=list(sizes or self.sizes),
+                zipf_exponents=[self.zipf],
+                pooling_factors=[1],
+            )
+        )
+
+
+@dataclass
+class Steps:
+    """How long a variant runs: ``warmup`` untimed steps, then ``windows`` x ``window_steps``."""
+
+    warmup: int
+    windows: int
+    window_steps: int
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.windows * self.window_steps
+
+
+@dataclass
+class WorkerSpec:
+    """What one subprocess runs (serialized as JSON between parent and worker)."""
+
+    variant: str  # A, B, ours, probe
+    workload: dict[str, Any]
+    steps: dict[str, int]
+    directory: str
+    out: str
+    budget_fraction: float | None = None
+    threads: int = 1
+    lookahead: int = 0
+    b_advice: str = "random"
+    cold_start: bool = True
+    max_warmup_s: float = 1e9
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+class W1Model(nn.Module):
+    """The embedding bag collection plus a small dense part; returns the BCE loss.
+
+    ``logit = over(concat(relu(dense(x)), pooled embeddings))`` with 16-wide layers: a few
+    percent of the step next to 26 lookups of batch x dim."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, width: int = 16) -> None:
+        super().__init__()
+        self.ebc = ebc
+        num_tables = len(ebc.embedding_bag_configs())
+        dim = ebc.embedding_bag_configs()[0].embedding_dim
+        self.dense = nn.Linear(num_dense, width)
+        self.over = nn.Sequential(
+            nn.Linear(width + num_tables * dim, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``(loss, (loss, logits))``, detached in the second part: the shape TorchRec's train
+        pipelines expect (losses to backpropagate, then the output)."""
+        pooled = self.ebc(batch.sparse_features).values()
+        x = torch.cat([torch.relu(self.dense(batch.dense_features)), pooled], dim=1)
+        logit = self.over(x).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
+        return loss, (loss.detach(), logit.detach())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Built:
+    """A sharded model ready to train, with what the run reports about it."""
+
+    model: DistributedModelParallel
+    dense_optimizer: KeyedOptimizerWrapper
+    files: list[Path] = field(default_factory=list)
+    plan_text: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    mappings: list[mmap.mmap] = field(default_factory=list)
+
+
+def _fused_params() -> dict[str, Any]:
+    return {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR}
+
+
+def _shard(
+    wl: Workload,
+    sizes: Sequence[int],
+    sharder: TieredEmbeddingBagCollectionSharder,
+    plan: EmbeddingModuleShardingPlan | None,
+) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    configs = wl.configs(sizes)
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    model = W1Model(ebc, wl.num_dense)
+    if plan is None:
+        plan = construct_module_sharding_plan(
+            ebc,
+            {c.name: table_wise(rank=0, compute_kernel="fused") for c in configs},
+            sharder=sharder,
+            local_size=1,
+            world_size=1,
+            device_type="cpu",
+        )
+    dmp = DistributedModelParallel(
+        model,
+        device=torch.device("cpu"),
+        plan=ShardingPlan({EBC_NAME: plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=LR),
+    )
+    return dmp, dense
+
+
+def probe_sizes(wl: Workload) -> list[int]:
+    """Tables small enough that their bytes vanish next to the process's own overhead."""
+    return [min(n, 1024) for n in wl.sizes]
+
+
+def build_fused(wl: Workload, sizes: Sequence[int] | None = None) -> Built:
+    sharder = TieredEmbeddingBagCollectionSharder(fused_params=_fused_params())
+    model, dense = _shard(wl, sizes or wl.sizes, sharder, None)
+    return Built(model, dense, plan_text="every table on TorchRec's FUSED kernel in DRAM")
+
+
+class _HashableBuffers(dict[str, torch.Tensor]):
+    """fbgemm's ``preallocated_host_buffers`` as a fused parameter that survives TorchRec:
+    TorchRec deep-copies fused parameters per table (``merge_fused_params``), which would copy
+    the mapped files into anonymous memory, and groups tables by a hash of them. So copies are
+    the object itself and the hash is its identity."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _HashableBuffers:
+        return self
+
+    def __copy__(self) -> _HashableBuffers:
+        return self
+
+
+def _map_file(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A float32 tensor over a shared mapping of ``path`` (created sparse, ``nbytes`` long)."""
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapping = mmap.mmap(
+            fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+    return mapping, torch.frombuffer(mapping, dtype=torch.float32)
+
+
+def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
+    """B: TorchRec's FUSED kernel (one fbgemm TBE for all 26 tables) whose host weights and
+    row-wise momentum are shared mappings of two files, handed to fbgemm's TBE constructor as
+    ``preallocated_host_buffers``; TorchRec's kernel initializes the weights through them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = sum(wl.sizes)
+    weights_path = directory / "weights.f32"
+    momentum_path = directory / "momentum1.f32"
+    w_map, weights = _map_file(weights_path, rows * wl.dim * 4)
+    m_map, momentum = _map_file(momentum_path, rows * STATE_WIDTH * 4)
+    if advice == "random":
+        for m in (w_map, m_map):
+            m.madvise(mmap.MADV_RANDOM)
+    params = _fused_params()
+    params["preallocated_host_buffers"] = _HashableBuffers(weights=weights, momentum1=momentum)
+    sharder = TieredEmbeddingBagCollectionSharder(fused_params=params)
+    model, dense = _shard(wl, wl.sizes, sharder, None)
+    tbes = fused_tbes(model)
+    if len(tbes) != 1:
+        raise RuntimeError(f"expected one fused TBE for all tables, found {len(tbes)}")
+    tbe = tbes[0]
+    on_mapping = (
+        tbe.weights_host.data_ptr() == weights.data_ptr()
+        and tbe.momentum1_host.data_ptr() == momentum.data_ptr()
+    )
+    return Built(
+        model,
+        dense,
+        files=[weights_path, momentum_path],
+        plan_text=(
+            f"every table on TorchRec's FUSED kernel; weights and momentum mmap'd from "
+            f"{weights_path.name} ({weights_path.stat().st_size / 2**30:.2f} GiB) and "
+            f"{momentum_path.name} (madvise {advice})"
+        ),
+        info={"tbe_weights_are_the_mapping": on_mapping, "madvise": advice},
+        mappings=[w_map, m_map],
+    )
+
+
+def fused_tbes(model: DistributedModelParallel) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
+    """fbgemm modules of the FUSED (non-tiered) kernels (TorchRec hides lookups from
+    ``modules()``, so walk them)."""
+    out = []
+    for lookup in getattr(model.module, EBC_NAME)._lookups:
+        inner = getattr(lookup, "module", lookup)
+        for kernel in getattr(inner, "_emb_modules", []):
+            tbe = getattr(kernel, "_emb_module", None)
+            if isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen) and not hasattr(
+                kernel, "tiers"
+            ):
+                out.append(tbe)
+    return out
+
+
+def verify_mapping(built: Built, wl: Workload, batch: Batch) -> dict[str, Any]:
+    """Checks that B trained on the files: the TBE's tensors are the mappings, and rows the
+    last batch updated read back from the weight file (``pread``, not the mapping) equal the
+    kernel's values for them."""
+    tbe = fused_tbes(built.model)[0]
+    weights = tbe.split_embedding_weights()
+    offsets = tbe.weights_offsets.tolist()
+    kjt = batch.sparse_features
+    checked, equal = 0, True
+    fd = os.open(built.files[0], os.O_RDONLY)
+    try:
+        for t in (int(np.argmax(wl.sizes)), 0):
+            ids = kjt[f"cat_{t}"].values()[:8].tolist()
+            for row in ids:
+                raw = os.pread(fd, wl.dim * 4, (offsets[t] + row * wl.dim) * 4)
+                on_file = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+                equal &= bool(torch.equal(on_file, weights[t][row]))
+                checked += 1
+    finally:
+        os.close(fd)
+    return {
+        "tbe_weights_are_the_mapping": built.info["tbe_weights_are_the_mapping"],
+        "rows_checked_on_file": checked,
+        "file_rows_equal_kernel_rows": equal,
+    }
+
+
+def tiered_plan(
+    wl: Workload,
+    budget_bytes: int,
+    lookahead: int,
+    sharder: TieredEmbeddingBagCollectionSharder,
+) -> tuple[EmbeddingModuleShardingPlan, str, dict[str, Any]]:
+    """The tiered planner's plan for ``budget_bytes`` of DRAM on this host.
+
+    The host is the ``local`` hardware preset with DRAM for embeddings set to the budget and
+    without the byte tier: under a memory cap a memory-mapped byte tier lives in the capped page
+    cache, i.e. it is DRAM the budget already counts (that is variant B)."""
+    host = copy.deepcopy(load_topology("local"))
+    host.byte_scm = None
+    host.dram.capacity = str(parse_size(host.dram_reserved) + budget_bytes)
+    configs = wl.configs()
+    access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
+    # With look-ahead k a cache holds k + 1 batches' rows at once (the running one and k
+    # prefetched): the planner's smallest cache must allow that.
+    config = PlannerConfig(
+        overlap_tier_io=lookahead > 0, min_cache_factor=max(2.0, lookahead + 1.5)
+    )
+    plan, summary = plan_tables(
+        configs, host, 1, wl.batch_size, None, sharder, access=access, config=config
+    )
+    info = {
+        "planner": "torchrec_mtrains.planner.plan_tables (local preset, byte tier removed)",
+        "predicted_step_ms": summary.step_time_s * 1e3,
+        "tiers": {
+            name: {
+                "kernel": ps.compute_kernel,
+                "tier": ps.tier_options.tier.value if hasattr(ps, "tier_options") else "dram",
+                "cache_load_factor": (
+                    ps.tier_options.cache_load_factor if hasattr(ps, "tier_options") else None
+                ),
+            }
+            for name, ps in plan.items()
+        },
+    }
+    return plan, str(summary), info
+
+
+def build_tiered(wl: Workload, directory: Path, budget_bytes: int, lookahead: int) -> Built:
+    storage = TierStorage(
+        root=str(directory),
+        tier_options={"block_scm": {"block_size": 4096, "max_pass_bytes": IO_PASS_BYTES}},
+        open_mode=OpenMode.OPEN_OR_CREATE,
+    )
+    sharder = TieredEmbeddingBagCollectionSharder(
+        storage, offer_tiered_kernel=True, fused_params=_fused_params()
+    )
+    reserve = min(IO_RESERVE_BYTES, budget_bytes // 8)
+    plan, text, info = tiered_plan(wl, budget_bytes - reserve, lookahead, sharder)
+    info["io_reserve_bytes"] = reserve
+    model, dense = _shard(wl, wl.sizes, sharder, plan)
+    files = [p for p in directory.rglob("*.rows")]
+    return Built(model, dense, files=files, plan_text=text, info=info)
+
+
+def tiered_groups(model: DistributedModelParallel) -> list[TieredTableGroup]:
+    return list(getattr(model.module, EBC_NAME).tiered_groups())
+
+
+# ---------------------------------------------------------------------------- instruments
+
+
+class TierClock:
+    """Times the tiered kernels' I/O: each block-store read and write call (on whichever thread
+    made it), and how long the training thread was blocked on tier I/O (the stall): the
+    kernel's own counters (``TieredTableGroup.io_counters``) when it has them, else timed here
+    around its waits and inline I/O."""
+
+    def __init__(self, groups: list[TieredTableGroup]) -> None:
+        self.groups = groups
+        self.seconds: dict[str, float] = {"read": 0.0, "write": 0.0, "stall": 0.0, "io": 0.0}
+        self.rows: dict[str, int] = {"read": 0, "write": 0}
+        self._lock = threading.Lock()
+        self._kernel_counters = all(hasattr(g, "io_counters") for g in groups)
+        for group in groups:
+            if not self._kernel_counters:
+                self._wrap_group(group)
+            for shard in group.shards:
+                self._wrap_store(shard.store)
+
+    def _add(self, key: str, dt: float, rows: int = 0) -> None:
+        with self._lock:
+            self.seconds[key] += dt
+            if rows:
+                self.rows[key] += rows
+
+    def _timed(self, fn: Any, key: str, count_rows: bool = False) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(key, time.perf_counter() - t0, len(args[0]) if count_rows else 0)
+
+        return wrapped
+
+    def _wrap_group(self, group: TieredTableGroup) -> None:
+        submit = group._submit
+
+        def timed_submit(work: Any) -> Any:
+            if group.background_io:
+                return submit(work)
+            t0 = time.perf_counter()
+            try:
+                return submit(work)  # runs the I/O inline, on the training thread
+            finally:
+                dt = time.perf_counter() - t0
+                self._add("stall", dt)
+                self._add("io", dt)
+
+        group._submit = timed_submit  # type: ignore[method-assign]
+        group._wait = self._timed(group._wait, "stall")  # type: ignore[method-assign]
+
+    def _wrap_store(self, store: Any) -> None:
+        store.read_rows = self._timed(store.read_rows, "read", count_rows=True)
+        store.write_rows = self._timed(store.write_rows, "write", count_rows=True)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"{k}_s": v for k, v in self.seconds.items()}
+            out.update({f"rows_{k}": float(v) for k, v in self.rows.items()})
+        if self._kernel_counters:
+            counters = [g.io_counters() for g in self.groups]  # type: ignore[attr-defined]
+            out["stall_s"] = sum(c.stall_seconds for c in counters)
+            out["io_s"] = sum(c.io_seconds for c in counters)
+        return out
+
+
+def tier_snapshot(groups: list[TieredTableGroup]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for group in groups:
+        out.update(group.stats())
+    return out
+
+
+def tier_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, Any]:
+    tables: dict[str, dict[str, float]] = {}
+    for name, stats in after.items():
+        d = {k: v - before[name].get(k, 0.0) for k, v in stats.items() if k != "hit_rate"}
+        d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else 0.0
+        tables[name] = d
+    lookups = sum(t["lookups"] for t in tables.values())
+    hits = sum(t["hits"] for t in tables.values())
+    return {
+        "hit_rate": hits / lookups if lookups else None,
+        "lookups": lookups,
+        "misses": lookups - hits,
+        "writebacks": sum(t["writebacks"] for t in tables.values()),
+        "tier_bytes_read": sum(t["tier_bytes_read"] for t in tables.values()),
+        "tier_bytes_written": sum(t["tier_bytes_written"] for t in tables.values()),
+        "tables": tables,
+    }
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+class BatchStream:
+    """Batch ``i`` of the synthetic stream (a pure function of ``i``). Warm-up batches are made
+    when needed; the timed ones are made ahead by :meth:`prepare` (compact: int32 ids), so data
+    generation never runs inside a timed window."""
+
+    def __init__(self, wl: Workload, sizes: Sequence[int] | None = None) -> None:
+        self.ds = wl.dataset(sizes)
+        self._lengths = torch.ones(len(wl.sizes) * wl.batch_size, dtype=torch.int32)
+        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, first: int, count: int) -> None:
+        self._ready.clear()
+        for i in range(first, first + count):
+            b = self.ds.batch_at(i)
+            self._ready[i] = (
+                b.sparse_features.values().to(torch.int32),
+                b.dense_features,
+                b.labels,
+            )
+
+    def __getitem__(self, i: int) -> Batch:
+        if i not in self._ready:
+            return self.ds.batch_at(i)
+        values, dense, labels = self._ready[i]
+        kjt = KeyedJaggedTensor(
+            keys=self.ds.keys, values=values.to(torch.int64), lengths=self._lengths
+        )
+        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def train_step(built: Built, batch: Batch) -> float:
+    """One step of the plain loop (the fused tables update inside backward)."""
+    built.dense_optimizer.zero_grad()
+    loss, _ = built.model(batch)
+    loss.backward()
+    built.dense_optimizer.step()
+    return float(loss.detach())
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Builds one variant, trains it and returns its measurements."""
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(0)
+    wl = Workload(**{k: tuple(v) if k == "sizes" else v for k, v in spec.workload.items()})
+    steps = Steps(**spec.steps)
+    directory = Path(spec.directory)
+    result: dict[str, Any] = {"variant": spec.variant, "budget_fraction": spec.budget_fraction}
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        t0 = time.perf_counter()
+        sizes = probe_sizes(wl) if spec.variant == "probe" else list(wl.sizes)
+        if spec.variant in ("A", "probe"):
+            built = build_fused(wl, sizes)
+        elif spec.variant in ("B", "B_plain"):
+            built = build_mmap(wl, directory, spec.b_advice)
+        elif spec.variant == "ours":
+            if spec.budget_fraction is None:
+                raise ValueError("variant ours needs a budget")
+            budget = int(spec.budget_fraction * wl.embedding_bytes)
+            built = build_tiered(wl, directory, budget, spec.lookahead)
+        else:
+            raise ValueError(f"unknown variant {spec.variant!r}; expected A, B, ours or probe")
+        result["build_s"] = time.perf_counter() - t0
+        result["rss_after_build_bytes"] = rss_bytes()
+        result["plan"] = built.plan_text
+        result.update(built.info)
+        print(f"[{spec.variant}] built in {result['build_s']:.1f} s", flush=True)
+        if spec.cold_start and built.files:
+            for m in built.mappings:
+                m.flush()
+                m.madvise(mmap.MADV_DONTNEED)  # unmap resident pages so fadvise can drop them
+            result["cold_start_files"] = drop_file_cache(built.files)
+        result.update(train(built, wl, steps, spec, sizes))
+        result["peak_rss_bytes"] = ProcessCounters.peak_rss_bytes()
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def train(
+    built: Built, wl: Workload, steps: Steps, spec: WorkerSpec, sizes: Sequence[int]
+) -> dict[str, Any]:
+    stream = BatchStream(wl, sizes)
+    groups = tiered_groups(built.model) if spec.variant == "ours" else []
+    clock = TierClock(groups) if groups else None
+    pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
+    if groups and spec.lookahead > 0:
+        # cDLRM look-ahead: while batch i trains, the tier worker reads batches i+1..i+k.
+        pipeline = LookaheadTrainPipeline(
+            built.model, built.dense_optimizer, torch.device("cpu"), lookahead=spec.lookahead
+        )
+    batches = (stream[j] for j in itertools.count())
+
+    def step(i: int) -> float:
+        if pipeline is None:
+            return train_step(built, stream[i])
+        loss, _ = pipeline.progress(batches)  # runs batch i; the pipeline pulls i+k
+        return float(loss)
+
+    out: dict[str, Any] = {"steps": asdict(steps), "lookahead": spec.lookahead}
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    warm_before = tier_snapshot(groups)
+    done = 0
+    while done < steps.warmup and time.perf_counter() - t0 < spec.max_warmup_s:
+        losses.append(step(done))
+        done += 1
+        if done % max(1, steps.warmup // 5) == 0:
+            print(f"[{spec.variant}] warm-up {done}/{steps.warmup}", flush=True)
+    if done < steps.warmup:
+        print(
+            f"[{spec.variant}] warm-up stopped after {done} steps ({spec.max_warmup_s:.0f} s)",
+            flush=True,
+        )
+    out["warmup_steps_done"] = done
+    out["warmup_s"] = time.perf_counter() - t0
+    out["rss_after_warmup_bytes"] = rss_bytes()
+    if groups:
+        out["warmup_tiers"] = tier_delta(warm_before, tier_snapshot(groups))
+        out["warmup_tiers"].pop("tables")
+
+    timed_steps = steps.windows * steps.window_steps
+    stream.prepare(done, timed_steps + spec.lookahead)
+    before = ProcessCounters.now()
+    tiers_before = tier_snapshot(groups)
+    clock_before = clock.snapshot() if clock else {}
+    windows: list[float] = []
+    i = done
+    last = done + timed_steps - 1
+    for _ in range(steps.windows):
+        w0 = time.perf_counter()
+        for _ in range(steps.window_steps):
+            losses.append(step(i))
+            i += 1
+        windows.append(time.perf_counter() - w0)
+        print(
+            f"[{spec.variant}] window {len(windows)}/{steps.windows}: "
+            f"{steps.window_steps * wl.batch_size / windows[-1]:,.0f} samples/s",
+            flush=True,
+        )
+    after = ProcessCounters.now()
+    out.update(median_windows(windows, steps.window_steps * wl.batch_size))
+    out["step_ms_median"] = statistics.median(windows) / steps.window_steps * 1e3
+    io = after.rates_since(before)
+    io["major_faults_per_step"] = io["major_faults_s"] * io["seconds"] / max(1, timed_steps)
+    out["io"] = io
+    out["loss_first"], out["loss_last"] = losses[0], losses[-1]
+    if groups:
+        d = tier_delta(tiers_before, tier_snapshot(groups))
+        out["tiers"] = d
+        out["hit_rate"] = d["hit_rate"]
+        if clock is not None:
+            c = clock.snapshot()
+            spent = {k: c[k] - clock_before.get(k, 0.0) for k in c}
+            timed_s = sum(windows)
+            out["stall_s"] = spent["stall_s"]
+            out["stall_share"] = spent["stall_s"] / timed_s if timed_s else None
+            out["stall_ms_per_step"] = spent["stall_s"] / timed_steps * 1e3
+            out["tier_io_ms_per_step"] = spent["io_s"] / timed_steps * 1e3
+            # Miss service: rows read from the block tier per second spent in its read calls
+            # (each row is one or two 4 KiB blocks; the store keeps 32 I/Os in flight).
+            # Write-backs read-modify-write their blocks and are timed separately.
+            out["block_reads"] = {
+                "rows": spent["rows_read"],
+                "seconds": spent["read_s"],
+                "rows_per_s": spent["rows_read"] / spent["read_s"] if spent["read_s"] else None,
+                "rows_written": spent["rows_write"],
+                "write_seconds": spent["write_s"],
+                "rows_written_per_s": (
+                    spent["rows_write"] / spent["write_s"] if spent["write_s"] else None
+                ),
+                "io_threads": len(groups),
+            }
+    else:
+        out["hit_rate"] = None
+    if pipeline is not None:
+        pipeline.close()
+    if spec.variant.startswith("B"):
+        out["verification"] = verify_mapping(built, wl, stream[last])
+    return out
+
+
+# ---------------------------------------------------------------------------------- parent
+
+
+@dataclass
+class Runner:
+    """Launches variant subprocesses, capped in a memory cgroup when possible."""
+
+    args: argparse.Namespace
+    workload: Workload
+    steps: Steps
+    work: Path
+    capped: bool
+    reason: str = ""
+
+    def launch(
+        self,
+        variant: str,
+        budget: float | None = None,
+        cap: int | None = None,
+        steps: Steps | None = None,
+    ) -> dict[str, Any]:
+        tag = variant if budget is None else f"{variant}_{budget:g}"
+        directory = self.work / ("ours_tiers" if variant == "ours" else tag)
+        out = self.work / f"{tag}.json"
+        spec = WorkerSpec(
+            variant=variant,
+            workload=asdict(self.workload),
+            steps=asdict(steps or self.steps),
+            directory=str(directory),
+            out=str(out),
+            budget_fraction=budget,
+            threads=self.args.threads,
+            lookahead=self.args.lookahead if variant == "ours" else 0,
+            b_advice="normal" if variant == "B_plain" else self.args.b_advice,
+            max_warmup_s=self.args.max_warmup_s,
+        )
+        spec_path = self.work / f"{tag}.spec.json"
+        write_json(spec_path, asdict(spec))
+        drop_file_cache([self.work])  # earlier runs must not warm this one
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+        # Every run sits in a cgroup when possible, so peaks are measured alike; only B and
+        # ours get a limit.
+        use_cgroup = self.args.cgroup.ok
+        limit = cap if self.capped else None
+        record: dict[str, Any] = {"cap_bytes": limit}
+        print(
+            f"--- {tag}: " + (f"cap {limit / 2**30:.2f} GiB" if limit else "no memory cap"),
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        if use_cgroup:
+            with MemoryCgroup(self.args.cgroup, tag, limit) as cg:
+                done = subprocess.run(cmd, preexec_fn=cg.join_self, check=False)
+                record["cgroup_peak_bytes"] = cg.peak_bytes()
+                stat = cg.stat()
+                record["cgroup_cache_bytes_at_exit"] = stat.get("cache")
+                record["oom_kills"] = cg.oom_kills()
+        else:
+            done = subprocess.run(cmd, check=False)
+        record["wall_s"] = time.perf_counter() - t0
+        record["returncode"] = done.returncode
+        if done.returncode == 0 and out.exists():
+            record.update(json.loads(out.read_text()))
+            record["ok"] = True
+        else:
+            record["ok"] = False
+            record["variant"], record["budget_fraction"] = variant, budget
+            why = "killed by the OOM killer" if record.get("oom_kills") else "failed"
+            print(f"--- {tag}: {why} (exit {done.returncode})", flush=True)
+        if variant.startswith("B") and directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # 8.6 GiB per B run at full size
+        return record
+
+
+def parse_budgets(text: str) -> list[float]:
+    out = sorted({float(x) for x in text.split(",") if x.strip()})
+    if not out or any(not 0.0 < b <= 1.0 for b in out):
+        raise argparse.ArgumentTypeError(f"--budgets wants fractions in (0, 1], got {text!r}")
+    return out
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Ratios per budget against the same run's A and B, and the targets at 15%."""
+    a = results["A"]
+    a_rate = a.get("samples_per_s") if a.get("ok") else None
+    table = []
+    for budget, pair in sorted(results["budgets"].items(), key=lambda kv: float(kv[0])):
+        b, ours, plain = pair.get("B", {}), pair.get("ours", {}), pair.get("B_plain", {})
+        p_rate = plain.get("samples_per_s") if plain.get("ok") else None
+        b_rate = b.get("samples_per_s") if b.get("ok") else None
+        o_rate = ours.get("samples_per_s") if ours.get("ok") else None
+        row = {
+            "budget_fraction": float(budget),
+            "cap_bytes": pair.get("cap_bytes"),
+            "A_samples_per_s": a_rate,
+            "B_samples_per_s": b_rate,
+            "ours_samples_per_s": o_rate,
+            "B_vs_A": b_rate / a_rate if a_rate and b_rate else None,
+            "ours_vs_A": o_rate / a_rate if a_rate and o_rate else None,
+            "ours_vs_B": o_rate / b_rate if o_rate and b_rate else None,
+            "B_plain_samples_per_s": p_rate,
+            "ours_vs_B_plain": o_rate / p_rate if o_rate and p_rate else None,
+            "ours_hit_rate": ours.get("hit_rate"),
+            "ours_stall_share": ours.get("stall_share"),
+        }
+        table.append(row)
+    targets: dict[str, Any] = {}
+    at = [r for r in table if math.isclose(r["budget_fraction"], TARGET_BUDGET)]
+    if at:
+        r = at[0]
+        targets["ours_vs_A_at_15pct"] = {
+            "value": r["ours_vs_A"],
+            "target": TARGET_VS_A,
+            "met": r["ours_vs_A"] is not None and r["ours_vs_A"] >= TARGET_VS_A,
+        }
+        targets["ours_vs_B_at_15pct"] = {
+            "value": r["ours_vs_B"],
+            "target": TARGET_VS_B,
+            "met": r["ours_vs_B"] is not None and r["ours_vs_B"] >= TARGET_VS_B,
+        }
+        ours = results["budgets"][_key(TARGET_BUDGET)].get("ours", {})
+        fio = results.get("fio", {}).get("iops_mean")
+        reads = ours.get("block_reads", {}) or {}
+        rate = reads.get("rows_per_s")
+        if fio and rate:
+            targets["block_miss_service_vs_fio"] = {
+                "rows_per_s": rate,
+                "fio_iops": fio,
+                "value": rate / fio,
+                "target": TARGET_FIO,
+                "met": rate / fio >= TARGET_FIO,
+            }
+    return {"table": table, "targets": targets}
+
+
+def _key(budget: float) -> str:
+    return f"{budget:g}"
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    s = results["summary"]
+    a = results["A"]
+    print("\n=== W1 results (same run) ===")
+    print(
+        f"embedding bytes {results['workload']['embedding_bytes'] / 2**30:.2f} GiB, "
+        f"overhead {results['overhead_bytes'] / 2**30:.2f} GiB, "
+        f"batch {results['workload']['batch_size']}, threads {results['args']['threads']}, "
+        f"lookahead {results['args']['lookahead']}, capped {results['capped']}"
+    )
+    if a.get("ok"):
+        print(f"A (FUSED, all DRAM, no cap): {a['samples_per_s']:,.0f} samples/s")
+    else:
+        print("A failed")
+    hdr = (
+        f"{'budget':>7} {'cap GiB':>8} {'B s/s':>10} {'ours s/s':>10} {'B/A':>6} "
+        f"{'ours/A':>7} {'ours/B':>7} {'hit':>6} {'stall':>6}"
+    )
+    print(hdr)
+
+    def f(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, int | float) else "-"
+
+    for r in s["table"]:
+        cap = r["cap_bytes"] / 2**30 if r["cap_bytes"] else None
+        print(
+            f"{r['budget_fraction']:>7.0%} {f(cap, '>8.2f')} {f(r['B_samples_per_s'], '>10,.0f')} "
+            f"{f(r['ours_samples_per_s'], '>10,.0f')} {f(r['B_vs_A'], '>6.2f')} "
+            f"{f(r['ours_vs_A'], '>7.2f')} {f(r['ours_vs_B'], '>7.2f')} "
+            f"{f(r['ours_hit_rate'], '>6.3f')} {f(r['ours_stall_share'], '>6.1%')}"
+        )
+    for r in s["table"]:
+        if r["B_plain_samples_per_s"]:
+            print(
+                f"B_plain (mmap, default readahead) at {r['budget_fraction']:.0%}: "
+                f"{r['B_plain_samples_per_s']:,.0f} samples/s; ours / B_plain "
+                f"{f(r['ours_vs_B_plain'], '.1f')}"
+            )
+    for name, t in s["targets"].items():
+        if t["value"] is None:
+            print(f"target {name}: not measured (a variant failed)")
+            continue
+        verdict = "met" if t["met"] else "NOT met"
+        print(f"target {name}: {t['value']:.2f} (>= {t['target']}) {verdict}")
+    load = results["machine"]["load_average"]
+    print(f"load average at start {results['machine_start_load']}, at end {load}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = results["summary"]["table"]
+    xs = [r["budget_fraction"] * 100 for r in rows]
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, ax2 = fig.subplots(1, 2)
+    a = results["A"].get("samples_per_s") if results["A"].get("ok") else None
+    if a:
+        ax.axhline(a, color="black", linestyle="--", label="A: FUSED, all tables in DRAM")
+        ax.axhline(TARGET_VS_A * a, color="grey", linestyle=":", label="0.9 x A")
+    for key, label, marker in (
+        ("B_samples_per_s", "B: FUSED on mmap'd files (OS paging)", "s"),
+        ("ours_samples_per_s", "ours: tiered plan, block tier + row caches", "o"),
+    ):
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+    ax.set(
+        xlabel="DRAM budget (% of embedding bytes); cap = budget + process overhead",
+        ylabel="samples/s (median window)",
+        title="W1 throughput vs DRAM budget",
+        ylim=(0, None),
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    for key, label in (("B_vs_A", "B / A"), ("ours_vs_A", "ours / A"), ("ours_vs_B", "ours / B")):
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=label)
+    ax2.axhline(TARGET_VS_A, color="grey", linestyle=":")
+    ax2.set(xlabel="DRAM budget (% of embedding bytes)", ylabel="ratio", title="ratios")
+    ax2.set_yscale("log")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize="small")
+    wl = results["workload"]
+    fig.suptitle(
+        f"W1 Criteo-Kaggle shape: {wl['embedding_bytes'] / 2**30:.1f} GiB of embeddings, "
+        f"batch {wl['batch_size']}, {results['machine']['cpus']} cores "
+        f"(load avg {results['machine']['load_average'][0]:.1f})"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=False, default=None)
+    parser.add_argument("--png", type=Path, default=None, help="default: --out with .png")
+    parser.add_argument(
+        "--budgets",
+        type=parse_budgets,
+        default=None,
+        help="DRAM budgets as fractions of the embedding bytes (default 0.05,0.1,0.15,0.25,0.5; "
+        "smoke: 0.15)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all; smoke: A,B,ours)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant")
+    parser.add_argument("--windows", type=int, default=None, help="timed windows per variant")
+    parser.add_argument("--window-steps", type=int, default=None, help="steps per window")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="shorthand: warm-up and timed steps in total"
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="rows per table x this")
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--lookahead", type=int, default=1, help="0 turns look-ahead off")
+    parser.add_argument(
+        "--b-advice",
+        choices=["normal", "random"],
+        default="random",
+        help="madvise of B's mappings (B_plain always runs with the default, normal)",
+    )
+    parser.add_argument(
+        "--b-plain-budgets",
+        type=parse_budgets,
+        default=[TARGET_BUDGET],
+        help="budgets at which B_plain runs (it is slow: the OS reads around every fault)",
+    )
+    parser.add_argument(
+        "--b-plain-steps",
+        default="3,2,2",
+        help="B_plain's warm-up,windows,window-steps",
+    )
+    parser.add_argument(
+        "--max-warmup-s",
+        type=float,
+        default=240.0,
+        help="a variant's warm-up stops after this many seconds (then its timed windows run)",
+    )
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--no-cap", action="store_true", help="never limit memory")
+    parser.add_argument(
+        "--cap-margin-mib",
+        type=int,
+        default=64,
+        help="added to every cap: the probe's peak varies by a few MiB between runs, and a "
+        "process over its cap (no swap) is killed",
+    )
+    parser.add_argument("--fio-seconds", type=int, default=10)
+    parser.add_argument("--no-fio", dest="fio", action="store_false")
+    parser.add_argument("--smoke", action="store_true", help="tiny tables, a few steps")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.worker is not None:
+        spec = WorkerSpec(**json.loads(args.worker.read_text()))
+        result = run_worker(spec)
+        write_json(Path(spec.out), result)
+        return result
+
+    if args.out is None:
+        parser.error("--out is required")
+    # A plain kill still runs the cleanup (cgroups, 8+ GiB of tier files).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    wl = Workload.smoke() if args.smoke else Workload.full(args.scale, args.batch_size)
+    if args.smoke:
+        steps = Steps(warmup=4, windows=2, window_steps=3)
+    else:
+        steps = Steps(warmup=150, windows=5, window_steps=10)
+    if args.steps:
+        timed = max(2, args.steps // 3)
+        steps = Steps(args.steps - timed, min(5, timed), max(1, timed // min(5, timed)))
+    steps.warmup = args.warmup if args.warmup is not None else steps.warmup
+    steps.windows = args.windows or steps.windows
+    steps.window_steps = args.window_steps or steps.window_steps
+    if args.budgets is None:
+        args.budgets = [TARGET_BUDGET] if args.smoke else [0.05, 0.1, 0.15, 0.25, 0.5]
+    try:
+        w, n, k = (int(x) for x in args.b_plain_steps.split(","))
+    except ValueError:
+        parser.error(
+            f"--b-plain-steps wants warm-up,windows,window-steps, got {args.b_plain_steps}"
+        )
+    b_plain_steps = Steps(w, n, k) if not args.smoke else Steps(1, 1, 1)
+    if args.variants is None:
+        args.variants = "A,B,ours" if args.smoke else ",".join(VARIANTS)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            parser.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+
+    start_load = list(os.getloadavg())
+    support = cgroup_support()
+    args.cgroup = support
+    capped = support.ok and not args.no_cap
+    if args.no_cap:
+        args.cgroup = support  # still used to measure peaks, without a limit
+    reason = "--no-cap given" if args.no_cap else support.reason
+    if not capped:
+        print(
+            f"memory cap skipped: {reason}. B and ours run WITHOUT a cap: the page cache may "
+            "hold their files, so their figures are upper bounds, not capped results.",
+            flush=True,
+        )
+    args.dir.mkdir(parents=True, exist_ok=True)
+    need = wl.embedding_bytes * (2 if "B" in variants and "ours" in variants else 1) * 1.1
+    free = disk_free_bytes(args.dir)
+    if free < need:
+        raise SystemExit(
+            f"{args.dir} has {free / 2**30:.1f} GiB free; W1 at this scale needs about "
+            f"{need / 2**30:.1f} GiB for the tier and mmap files (use --dir or --scale)"
+        )
+    work = Path(tempfile.mkdtemp(prefix="w1_bench_", dir=args.dir))
+    runner = Runner(args, wl, steps, work, capped, reason)
+    results: dict[str, Any] = {
+        "workload": {**asdict(wl), "embedding_bytes": wl.embedding_bytes},
+        "args": {k: str(v) for k, v in vars(args).items() if k not in ("cgroup", "worker")},
+        "steps": asdict(steps),
+        "capped": capped,
+        "cap_skipped_reason": None if capped else reason,
+        "cgroup_version": support.version if capped else None,
+        "machine_start_load": start_load,
+        "budgets": {},
+    }
+    print(
+        f"W1: {len(wl.sizes)} tables, {sum(wl.sizes):,} rows, dim {wl.dim}, "
+        f"{wl.embedding_bytes / 2**30:.2f} GiB of embeddings (+state), batch {wl.batch_size}; "
+        f"steps: {steps.warmup} warm-up + {steps.windows} x {steps.window_steps} timed; "
+        f"work dir {work}",
+        flush=True,
+    )
+    try:
+        if args.fio and not args.smoke:
+            before = run_fio(work, args.fio_seconds, "2G")
+            results["fio"] = {"before": before}
+        probe = runner.launch("probe", steps=steps)
+        overhead = int(probe.get("cgroup_peak_bytes") or probe.get("peak_rss_bytes") or 0)
+        results["probe"] = probe
+        results["overhead_bytes"] = overhead
+        results["overhead_note"] = (
+            "peak memory (cgroup usage incl. page cache, else VmHWM) of a process doing "
+            "everything a variant does with tables of <= 1024 rows"
+        )
+        margin = args.cap_margin_mib << 20
+        results["cap_margin_bytes"] = margin
+        print(
+            f"process overhead: {overhead / 2**30:.2f} GiB (+ {args.cap_margin_mib} MiB margin "
+            "for run-to-run variation)",
+            flush=True,
+        )
+        results["A"] = runner.launch("A") if "A" in variants else {"ok": False}
+        for budget in args.budgets:
+            cap = int(budget * wl.embedding_bytes) + overhead + margin
+            pair: dict[str, Any] = {"cap_bytes": cap if capped else None}
+            for variant in ("B", "B_plain", "ours"):
+                if variant not in variants:
+                    continue
+                if variant == "B_plain":
+                    if not any(math.isclose(budget, b) for b in args.b_plain_budgets):
+                        continue
+                    pair[variant] = runner.launch(variant, budget, cap, b_plain_steps)
+                else:
+                    pair[variant] = runner.launch(variant, budget, cap)
+            results["budgets"][_key(budget)] = pair
+        if args.fio and not args.smoke:
+            after = run_fio(work, args.fio_seconds, "2G")
+            results["fio"]["after"] = after
+            runs = [r for r in (results["fio"]["before"], after) if r]
+            if runs:
+                results["fio"]["iops_mean"] = statistics.mean(r["iops"] for r in runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["machine"] = machine_info()
+    results["summary"] = summarize(results)
+    print_summary(results)
+    write_json(args.out, results)
+    png = args.png or args.out.with_suffix(".png")
+    plot(results, png)
+    print(f"wrote {args.out} and {png}")
+    return results
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""Smoke runs of the workload benchmarks (W1, W2) at tiny sizes: they run every variant and
+write their JSON (and W1's PNG) with the expected keys. Correctness only, never timings.
+
+Where this process may not create a memory cgroup (not root, no memory controller) the
+benchmarks skip the cap and say so; these tests accept either and check the report matches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_w1_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "w1.json"
+    done = _run("w1_bench.py", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    r = json.loads(out.read_text())
+    assert set(r) >= {"workload", "machine", "overhead_bytes", "A", "budgets", "summary", "probe"}
+    assert r["A"]["ok"] and r["A"]["samples_per_s"] > 0
+    pair = r["budgets"]["0.15"]
+    for variant in ("B", "ours"):
+        run = pair[variant]
+        assert run["ok"], run
+        assert run["samples_per_s"] > 0 and len(run["window_samples_per_s"]) == 2
+        assert run["peak_rss_bytes"] > 0 and "io" in run
+    v = pair["B"]["verification"]  # B trained on the mapped files, not on a copy
+    assert v["tbe_weights_are_the_mapping"] and v["file_rows_equal_kernel_rows"]
+    assert v["rows_checked_on_file"] > 0
+    ours = pair["ours"]
+    assert 0.0 <= ours["hit_rate"] <= 1.0 and ours["tiers"]["lookups"] > 0
+    assert ours["stall_share"] is not None and ours["block_reads"]["rows"] > 0
+    assert "block_scm" in ours["plan"]
+    row = r["summary"]["table"][0]
+    assert row["ours_vs_A"] > 0 and row["ours_vs_B"] > 0
+    assert set(r["summary"]["targets"]) >= {"ours_vs_A_at_15pct", "ours_vs_B_at_15pct"}
+    if r["capped"]:
+        assert pair["cap_bytes"] > r["overhead_bytes"] and ours["cap_bytes"] == pair["cap_bytes"]
+    else:
+        assert r["cap_skipped_reason"] and "memory cap skipped" in done.stdout
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ours/A" in done.stdout and "A (FUSED, all DRAM, no cap)" in done.stdout
+    assert not list(tmp_path.glob("w1_bench_*"))  # work files removed
+
+
+def test_cgroup_support_explains_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    common = _load("_common")
+    monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
+    support = common.cgroup_support()
+    assert not support.ok and "root" in support.reason
+    with pytest.raises(RuntimeError, match="root"):
+        common.MemoryCgroup(support, "x", 1 << 30)
+
+
+def test_median_windows() -> None:
+    common = _load("_common")
+    r = common.median_windows([1.0, 2.0, 4.0], 100)
+    assert r["window_samples_per_s"] == [100.0, 50.0, 25.0] and r["samples_per_s"] == 50.0
