@@ -105,6 +105,7 @@ def test_torchx_runs_the_app_on_two_ranks(tmp_path: Path) -> None:
             f"run.dir={run_dir}",
             "data.batch_size=64",
             f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
+            "planner=size_rule",
             "planner.dram_budget=200KB",
             "planner.block_scm_min_bytes=200KB",
         ],

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchmetrics.classification import BinaryAUROC
@@ -45,8 +45,14 @@ from tqdm import tqdm
 from apps.dlrm.data import build_dataloader
 from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
-from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.distributed import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TierStorage,
+)
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, TierSnapshot, snapshot, tiered_groups
+from torchrec_mtrains.planner import plan_from_config
+from torchrec_mtrains.profiler import AccessProfile
 from torchrec_mtrains.tiers.base import OpenMode, RowStoreError
 from torchrec_mtrains.types import Tier
 
@@ -180,24 +186,30 @@ def build_model(
         )
     )
     lr = float(cfg.run.learning_rate)
+    tiered_planner = str(cfg.planner.get("name", "")) == "tiered"
     sharder = TieredEmbeddingBagCollectionSharder(
         build_storage(cfg, resume),
+        offer_tiered_kernel=tiered_planner,
         fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
     )
-    planner = cfg.planner
     try:
-        plan, placements = size_rule_plan(
-            ebc,
-            sharder,
-            world_size,
-            dram_budget=_size_option(cfg, "planner.dram_budget"),
-            block_scm_min_bytes=_size_option(cfg, "planner.block_scm_min_bytes"),
-            cache_load_factor=float(planner.cache_load_factor),
-            cache_policy=str(planner.cache_policy),
-        )
+        if tiered_planner:
+            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size)
+        else:
+            planner = cfg.planner
+            plan, placements = size_rule_plan(
+                ebc,
+                sharder,
+                world_size,
+                dram_budget=_size_option(cfg, "planner.dram_budget"),
+                block_scm_min_bytes=_size_option(cfg, "planner.block_scm_min_bytes"),
+                cache_load_factor=float(planner.cache_load_factor),
+                cache_policy=str(planner.cache_policy),
+            )
+            plan_text = format_placements(placements)
     except ConfigError:
         raise
-    except ValueError as e:  # the table options' own checks (cache factor, policy)
+    except ValueError as e:  # placement errors and the options' own checks
         raise ConfigError(f"planner: {e}") from None
     dmp = DistributedModelParallel(
         model,
@@ -210,7 +222,40 @@ def build_model(
         lambda params: torch.optim.Adagrad(params, lr=lr),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    return dmp, optimizer, format_placements(placements)
+    return dmp, optimizer, plan_text
+
+
+def _tiered_plan(
+    cfg: DictConfig,
+    ebc: EmbeddingBagCollection,
+    sharder: TieredEmbeddingBagCollectionSharder,
+    world_size: int,
+) -> tuple[Any, str]:
+    """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
+    the tables it put on a tier (up to an eighth of each cache)."""
+    # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
+    # I/O with compute: the planner must size caches and estimate step time for that.
+    lookahead = _lookahead(cfg)
+    planned = cfg.copy()
+    with open_dict(planned):
+        planned.planner.min_cache_factor = max(
+            float(cfg.planner.get("min_cache_factor", 2.0)), 1.5 * (lookahead + 1)
+        )
+        planned.planner.overlap_tier_io = lookahead > 0
+    table_plan = plan_from_config(planned, ebc, sharder, world_size)
+    profile_path = str(cfg.planner.get("profile") or "")
+    if profile_path and bool(cfg.planner.get("pin_hot_rows", True)):
+        profile = AccessProfile.from_json(profile_path)
+        rows = {c.name: c.num_embeddings for c in ebc.embedding_bag_configs()}
+        hot: dict[str, list[int]] = {}
+        for name, ps in table_plan.plan.items():
+            if not isinstance(ps, TieredParameterSharding) or name not in profile:
+                continue
+            shards = max(1, len(ps.ranks or [0]))
+            room = ps.tier_options.cache_rows(rows[name] // shards) // 8
+            hot[name] = list(profile[name].hot_rows[:room])
+        sharder.hot_rows = hot
+    return table_plan.plan, str(table_plan.summary)
 
 
 def tier_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
@@ -342,9 +387,12 @@ def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
             if lookahead
             else ""
         )
+        if "cache_load_factor" in cfg.planner:
+            knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
+        else:
+            knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
         raise ConfigError(
-            f"{e}. Raise planner.cache_load_factor (now {cfg.planner.cache_load_factor}) or "
-            f"lower data.batch_size (now {cfg.data.batch_size}){also}."
+            f"{e}. Raise {knob} or lower data.batch_size (now {cfg.data.batch_size}){also}."
         ) from None
 
 

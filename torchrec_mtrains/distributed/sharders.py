@@ -99,6 +99,15 @@ class _TieredSharderMixin:
     def storage(self) -> TierStorage:
         return self._storage
 
+    @property
+    def hot_rows(self) -> Mapping[str, Sequence[int]]:
+        return self._hot_rows
+
+    @hot_rows.setter
+    def hot_rows(self, value: Mapping[str, Sequence[int]]) -> None:
+        """Hot rows are usually known only once a planner has put tables on the tiered kernel."""
+        self._hot_rows = dict(value)
+
 
 class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagCollectionSharder):
     """Shards ``EmbeddingBagCollection`` with tables on TorchRec kernels or storage tiers.

@@ -72,6 +72,8 @@ class TieredTableShard:
 
     def stats(self) -> dict[str, float]:
         out = self.cache.stats.as_dict()
+        out["cache_rows"] = float(self.cache.num_slots)
+        out["pinned_rows"] = float(int(self.cache.pinned.sum()))
         out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
         return out
 

@@ -381,9 +381,9 @@ def plan_from_config(
             values = values * len(names)
         if len(values) == len(names):
             poolings = dict(zip(names, values))
-    topology = topology_from_config(cfg.hardware)
-    if config.dram_budget:
-        topology = with_dram_budget(topology, config.dram_budget)
+    topology = with_budgets(
+        topology_from_config(cfg.hardware), config.dram_budget, config.byte_scm_budget
+    )
     return plan_tables(
         ebc,
         topology,
@@ -397,13 +397,23 @@ def plan_from_config(
     )
 
 
-def with_dram_budget(topology: HostTopology, budget: str) -> HostTopology:
-    """``topology`` with its DRAM capacity set so that ``budget`` is left for tables and caches
-    after ``dram_reserved``."""
+def with_budgets(topology: HostTopology, dram_budget: str, byte_scm_budget: str) -> HostTopology:
+    """``topology`` with its DRAM capacity set so that ``dram_budget`` is left for tables and
+    caches after ``dram_reserved``, and its byte SCM capacity set to ``byte_scm_budget``
+    (empty strings keep the topology's)."""
     from torchrec_mtrains.planner.topology import parse_size
 
-    usable = parse_size(budget, "planner.dram_budget")
-    capacity = usable + parse_size(topology.dram_reserved, "hardware.dram_reserved")
-    return dataclasses.replace(
-        topology, dram=dataclasses.replace(topology.dram, capacity=str(capacity))
-    )
+    if dram_budget:
+        usable = parse_size(dram_budget, "planner.dram_budget")
+        capacity = usable + parse_size(topology.dram_reserved, "hardware.dram_reserved")
+        topology = dataclasses.replace(
+            topology, dram=dataclasses.replace(topology.dram, capacity=str(capacity))
+        )
+    if byte_scm_budget:
+        if topology.byte_scm is None:
+            raise ValueError("planner.byte_scm_budget is set but the hardware has no byte SCM")
+        size = parse_size(byte_scm_budget, "planner.byte_scm_budget")
+        topology = dataclasses.replace(
+            topology, byte_scm=dataclasses.replace(topology.byte_scm, capacity=str(size))
+        )
+    return topology

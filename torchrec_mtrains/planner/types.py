@@ -61,6 +61,9 @@ class PlannerConfig:
         dram_budget: host memory per host the embedding tables and their caches may use
             (e.g. ``2GB``), in place of the topology's DRAM capacity less ``dram_reserved``;
             empty for the topology's. This is how a run emulates a capacity-bound host.
+        byte_scm_budget: likewise, the byte SCM capacity per host; empty for the topology's.
+        pin_hot_rows: with a profile, keep each tiered table's hottest rows (up to a quarter of
+            its cache) resident for good (FAE).
     """
 
     name: str = "tiered"
@@ -75,6 +78,8 @@ class PlannerConfig:
     balance_rounds: int = 8
     profile: str = ""
     dram_budget: str = ""
+    byte_scm_budget: str = ""
+    pin_hot_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.cache_policy not in POLICIES:

@@ -35,6 +35,7 @@ SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
 TIERED_TABLES = 6
 TINY = [
     f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
+    "planner=size_rule",
     "planner.dram_budget=200KB",
     "planner.block_scm_min_bytes=200KB",
     "planner.cache_load_factor=0.25",
@@ -299,3 +300,47 @@ def test_lookahead_trains_exactly_as_the_plain_loop(
 def test_negative_lookahead_names_the_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"pipeline\.lookahead=-1"):
         main(config(tmp_path / "run", "pipeline.lookahead=-1"))
+
+
+def _tiered(run_dir: Path, *overrides: str) -> DictConfig:
+    base = [o for o in TINY if not o.startswith("planner")]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(
+            config_name="config",
+            overrides=[
+                *base,
+                "planner=tiered_capacity_bound",
+                "planner.dram_budget=400KB",
+                "planner.byte_scm_budget=300KB",
+                "planner.min_cache_rows=64",
+                "run.steps=12",
+                f"run.dir={run_dir}",
+                *overrides,
+            ],
+        )
+
+
+def test_tiered_planner_places_large_tables_on_both_scm_tiers(tmp_path: Path) -> None:
+    metrics = main(_tiered(tmp_path / "run"))
+    plan = (tmp_path / "run" / "plan.txt").read_text()
+    assert "assumed uniform" in plan
+    assert "byte_scm" in plan and "block_scm" in plan
+    assert metrics["steps"] == 12
+    assert 0.0 <= float(metrics["cache_hit_rate"]) <= 1.0  # type: ignore[arg-type]
+
+
+def test_tiered_planner_uses_a_profile_and_pins_its_hot_rows(tmp_path: Path) -> None:
+    from torchrec_mtrains.profile import main as profile_main
+
+    prefix = tmp_path / "profile"
+    overrides = [o for o in TINY if not o.startswith(("planner", "run."))]
+    args = ["--out", str(prefix), "--conf-dir", str(CONF), "--max-batches", "30"]
+    assert profile_main([*args, *overrides]) == 0
+    GlobalHydra.instance().clear()
+    profile = prefix.with_suffix(".json")
+    cfg = _tiered(tmp_path / "run", f"planner.profile={profile}")
+    metrics = main(cfg)
+    plan = (tmp_path / "run" / "plan.txt").read_text()
+    assert "measured" in plan
+    pinned = [t for t in metrics["tables"].values() if t.get("pinned_rows", 0) > 0]  # type: ignore[union-attr]
+    assert pinned, metrics["tables"]
