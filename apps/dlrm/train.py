@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -209,7 +210,16 @@ def build_model(
             plan_text = format_placements(placements)
     except ConfigError:
         raise
-    except ValueError as e:  # placement errors and the options' own checks
+    except PlannerError as e:  # nothing fits: name the tiers that overflow and the knobs
+        over = [" ".join(line.split()) for line in str(e).splitlines() if "OVER" in line]
+        raise ConfigError(
+            f"planner: the tables fit no placement on {world_size} rank(s): "
+            f"{'; '.join(over) or str(e).splitlines()[0]} (tier, rank, demand, capacity). "
+            f"Raise planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) "
+            "or planner.byte_scm_budget, pick a hardware preset with more memory, add ranks, "
+            "or shrink model.num_embeddings_per_feature."
+        ) from None
+    except ValueError as e:  # the options' own checks
         raise ConfigError(f"planner: {e}") from None
     dmp = DistributedModelParallel(
         model,

@@ -94,6 +94,8 @@ class CriteoTsvDataConfig:
     Attributes:
         kind: discriminator, always ``"criteo_tsv"``.
         paths: files or glob patterns, read in the given order (each glob's matches sorted).
+        path: one more file or glob, read first (``data.path=/data/day_0.gz`` on the command
+            line is shorter than a list).
         batch_size: samples per batch (per rank).
         num_embeddings_per_feature: rows of each of the 26 tables (one entry = all);
             categorical values are taken modulo these.
@@ -104,6 +106,7 @@ class CriteoTsvDataConfig:
 
     kind: str = "criteo_tsv"
     paths: list[str] = field(default_factory=list)
+    path: str = ""
     batch_size: int = 512
     num_embeddings_per_feature: list[int] = field(default_factory=_kaggle_sizes)
     on_error: str = "skip"

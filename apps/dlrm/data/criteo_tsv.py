@@ -194,7 +194,7 @@ class CriteoTsvDataset(IterableDataset[Batch]):
         )
         check_sizes(sizes)
         self._sizes = [int(n) for n in sizes]
-        self.paths = expand_paths(config.paths)
+        self.paths = expand_paths(([config.path] if config.path else []) + list(config.paths))
         self.num_skipped = 0
         self.skipped_examples: list[str] = []
 

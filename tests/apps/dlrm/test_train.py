@@ -158,8 +158,9 @@ def test_unknown_preset_names_the_group() -> None:
     assert "\n" not in message
 
 
-def test_missing_data_file_names_the_path(tmp_path: Path) -> None:
-    cfg = config(tmp_path / "run", "data=criteo_tsv", "data.paths=[/nonexistent.tsv]")
+@pytest.mark.parametrize("option", ["data.paths=[/nonexistent.tsv]", "data.path=/nonexistent.tsv"])
+def test_missing_data_file_names_the_path(tmp_path: Path, option: str) -> None:
+    cfg = config(tmp_path / "run", "data=criteo_tsv", option)
     with pytest.raises(ConfigError) as info:
         main(cfg)
     message = str(info.value)
@@ -344,3 +345,10 @@ def test_tiered_planner_uses_a_profile_and_pins_its_hot_rows(tmp_path: Path) -> 
     assert "measured" in plan
     pinned = [t for t in metrics["tables"].values() if t.get("pinned_rows", 0) > 0]  # type: ignore[union-attr]
     assert pinned, metrics["tables"]
+
+
+def test_dram_budget_too_small_for_any_plan_is_one_paragraph(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"planner\.dram_budget \(now 1KB\)") as info:
+        main(_tiered(tmp_path / "run", "planner.dram_budget=1KB"))
+    message = str(info.value)
+    assert "\n" not in message and "OVER by" in message
