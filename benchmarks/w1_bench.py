@@ -58,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,10 +326,43 @@ class _HashableBuffers(dict[str, torch.Tensor]):
         return self
 
 
+B_WEIGHTS = "weights.f32"
+B_MOMENTUM = "momentum1.f32"
+
+
+def init_mmap_files(wl: Workload, directory: Path) -> list[Path]:
+    """Writes B's two files once, before any capped run: the weights of all tables back to back
+    in table order (the layout of the single fused TBE), each table uniform in
+    ``[-sqrt(1/rows), sqrt(1/rows)]`` as TorchRec's FUSED kernel initializes it, and the
+    row-wise momentum as zeros. Every byte is written (a fault on a hole of a sparse file
+    would read nothing from disk), then the files are evicted from the page cache."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    chunk = max(1, (64 << 20) // (wl.dim * 4))
+    weights, momentum = directory / B_WEIGHTS, directory / B_MOMENTUM
+    with open(weights, "wb") as f:
+        for rows in wl.sizes:
+            bound = math.sqrt(1.0 / rows)
+            for start in range(0, rows, chunk):
+                block = rng.random((min(chunk, rows - start), wl.dim), dtype=np.float32)
+                block *= 2 * bound
+                block -= bound
+                f.write(block.tobytes())
+    zeros = np.zeros(chunk * wl.dim, dtype=np.float32).tobytes()
+    left = sum(wl.sizes) * STATE_WIDTH * 4
+    with open(momentum, "wb") as f:
+        while left:
+            n = min(left, len(zeros))
+            f.write(zeros[:n])
+            left -= n
+    drop_file_cache([weights, momentum])
+    return [weights, momentum]
+
+
 def _map_file(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """A float32 tensor over a shared mapping of ``path`` (created sparse, ``nbytes`` long)."""
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
+    """A float32 tensor over a shared, writable mapping of ``path`` (``nbytes`` long)."""
+    if path.stat().st_size != nbytes:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, expected {nbytes}")
     fd = os.open(path, os.O_RDWR)
     try:
         mapping = mmap.mmap(
@@ -342,12 +375,17 @@ def _map_file(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 
 def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
     """B: TorchRec's FUSED kernel (one fbgemm TBE for all 26 tables) whose host weights and
-    row-wise momentum are shared mappings of two files, handed to fbgemm's TBE constructor as
-    ``preallocated_host_buffers``; TorchRec's kernel initializes the weights through them."""
-    directory.mkdir(parents=True, exist_ok=True)
+    row-wise momentum are shared mappings of the files :func:`init_mmap_files` wrote, handed
+    to fbgemm's TBE constructor as ``preallocated_host_buffers``.
+
+    TorchRec's kernel would initialize the weights again in its constructor, writing all of
+    them through the mapping inside the capped process (minutes of dirty-page write-back
+    under the cap); the files already hold that initialization, so its ``init_parameters``
+    is skipped here, and the TBE's table layout is checked against the files'."""
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+
     rows = sum(wl.sizes)
-    weights_path = directory / "weights.f32"
-    momentum_path = directory / "momentum1.f32"
+    weights_path, momentum_path = directory / B_WEIGHTS, directory / B_MOMENTUM
     w_map, weights = _map_file(weights_path, rows * wl.dim * 4)
     m_map, momentum = _map_file(momentum_path, rows * STATE_WIDTH * 4)
     if advice == "random":
@@ -356,11 +394,19 @@ def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
     params = _fused_params()
     params["preallocated_host_buffers"] = _HashableBuffers(weights=weights, momentum1=momentum)
     sharder = TieredEmbeddingBagCollectionSharder(fused_params=params)
-    model, dense = _shard(wl, wl.sizes, sharder, None)
+    init = BatchedFusedEmbeddingBag.init_parameters
+    BatchedFusedEmbeddingBag.init_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        model, dense = _shard(wl, wl.sizes, sharder, None)
+    finally:
+        BatchedFusedEmbeddingBag.init_parameters = init  # type: ignore[method-assign]
     tbes = fused_tbes(model)
     if len(tbes) != 1:
         raise RuntimeError(f"expected one fused TBE for all tables, found {len(tbes)}")
     tbe = tbes[0]
+    expected = [sum(wl.sizes[:t]) * wl.dim for t in range(len(wl.sizes))]
+    if tbe.weights_offsets.tolist() != expected:
+        raise RuntimeError("the fused TBE orders its tables unlike the files; cannot reuse them")
     on_mapping = (
         tbe.weights_host.data_ptr() == weights.data_ptr()
         and tbe.momentum1_host.data_ptr() == momentum.data_ptr()
@@ -657,16 +703,45 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                 m.flush()
                 m.madvise(mmap.MADV_DONTNEED)  # unmap resident pages so fadvise can drop them
             result["cold_start_files"] = drop_file_cache(built.files)
-        result.update(train(built, wl, steps, spec, sizes))
+        measured, close = train(built, wl, steps, spec, sizes)
+        result.update(measured)
         result["peak_rss_bytes"] = ProcessCounters.peak_rss_bytes()
+        # Written before the final flush, which needs memory of its own (see close()).
+        write_json(Path(spec.out), result)
+        t0 = time.perf_counter()
+        close()
+        result["close_s"] = time.perf_counter() - t0
+        result["peak_rss_after_close_bytes"] = ProcessCounters.peak_rss_bytes()
+        write_json(Path(spec.out), result)
     finally:
         dist.destroy_process_group()
     return result
 
 
+def isolated_block_reads(groups: list[TieredTableGroup], rows: int, calls: int = 20) -> Any:
+    """Random single-row reads from the largest block-tier table alone (no training running),
+    in calls of ``rows`` ids, the size of a step's misses: the tier's miss service without
+    competition for the CPU."""
+    shards = [sh for g in groups for sh in g.shards if sh.store.name == "block_scm"]
+    if not shards or rows <= 0:
+        return None
+    store = max(shards, key=lambda sh: sh.local_rows).store
+    rng = np.random.default_rng(1)
+    n, spent = 0, 0.0
+    for _ in range(calls):
+        ids = np.unique(rng.integers(0, store.layout.num_rows, rows))
+        t0 = time.perf_counter()
+        store.read_rows(ids)
+        spent += time.perf_counter() - t0
+        n += ids.size
+    return {"table_rows": store.layout.num_rows, "rows_per_call": rows, "rows_per_s": n / spent}
+
+
 def train(
     built: Built, wl: Workload, steps: Steps, spec: WorkerSpec, sizes: Sequence[int]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Warm-up, then the timed windows; returns the measurements and what ends the run (the
+    look-ahead pipeline's close: it drains the tier worker and writes dirty rows back)."""
     stream = BatchStream(wl, sizes)
     groups = tiered_groups(built.model) if spec.variant == "ours" else []
     clock = TierClock(groups) if groups else None
@@ -760,11 +835,16 @@ def train(
             }
     else:
         out["hit_rate"] = None
-    if pipeline is not None:
-        pipeline.close()
+    if groups:
+        for group in groups:
+            group.drain()  # queued prefetch I/O done: the tier is idle
+        per_step = (
+            out["tiers"]["misses"] / max(1, timed_steps) / max(1, len(out["tiers"]["tables"]))
+        )
+        out["block_reads_isolated"] = isolated_block_reads(groups, int(per_step))
     if spec.variant.startswith("B"):
         out["verification"] = verify_mapping(built, wl, stream[last])
-    return out
+    return out, (pipeline.close if pipeline is not None else lambda: None)
 
 
 # ---------------------------------------------------------------------------------- parent
@@ -789,7 +869,10 @@ class Runner:
         steps: Steps | None = None,
     ) -> dict[str, Any]:
         tag = variant if budget is None else f"{variant}_{budget:g}"
-        directory = self.work / ("ours_tiers" if variant == "ours" else tag)
+        # Files are reused across budgets: ours' tier files (opened, or created once) and B's
+        # mapped files (written once by init_mmap_files).
+        shared = {"ours": "ours_tiers", "B": "b_files", "B_plain": "b_files"}
+        directory = self.work / shared.get(variant, tag)
         out = self.work / f"{tag}.json"
         spec = WorkerSpec(
             variant=variant,
@@ -828,16 +911,17 @@ class Runner:
             done = subprocess.run(cmd, check=False)
         record["wall_s"] = time.perf_counter() - t0
         record["returncode"] = done.returncode
-        if done.returncode == 0 and out.exists():
+        if out.exists():  # measured; a failure after that (the final flush) is noted
             record.update(json.loads(out.read_text()))
             record["ok"] = True
+            if done.returncode != 0:
+                record["failed_at_close"] = True
+                print(f"--- {tag}: measured, then failed at its final flush", flush=True)
         else:
             record["ok"] = False
             record["variant"], record["budget_fraction"] = variant, budget
             why = "killed by the OOM killer" if record.get("oom_kills") else "failed"
             print(f"--- {tag}: {why} (exit {done.returncode})", flush=True)
-        if variant.startswith("B") and directory.exists():
-            shutil.rmtree(directory, ignore_errors=True)  # 8.6 GiB per B run at full size
         return record
 
 
@@ -1041,8 +1125,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--b-plain-steps",
-        default="3,2,2",
+        default="1,2,1",
         help="B_plain's warm-up,windows,window-steps",
+    )
+    parser.add_argument(
+        "--b-window-steps",
+        type=int,
+        default=None,
+        help="steps per timed window of B (default: --window-steps; B's steps are long)",
     )
     parser.add_argument(
         "--max-warmup-s",
@@ -1067,10 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     if args.worker is not None:
-        spec = WorkerSpec(**json.loads(args.worker.read_text()))
-        result = run_worker(spec)
-        write_json(Path(spec.out), result)
-        return result
+        return run_worker(WorkerSpec(**json.loads(args.worker.read_text())))
 
     if args.out is None:
         parser.error("--out is required")
@@ -1147,7 +1234,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.fio and not args.smoke:
             before = run_fio(work, args.fio_seconds, "2G")
             results["fio"] = {"before": before}
-        probe = runner.launch("probe", steps=steps)
+        # The probe reaches its peak within a few steps; it holds as many timed batches as
+        # the variants do.
+        probe = runner.launch("probe", steps=Steps(5, steps.windows, steps.window_steps))
         overhead = int(probe.get("cgroup_peak_bytes") or probe.get("peak_rss_bytes") or 0)
         results["probe"] = probe
         results["overhead_bytes"] = overhead
@@ -1162,7 +1251,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "for run-to-run variation)",
             flush=True,
         )
-        results["A"] = runner.launch("A") if "A" in variants else {"ok": False}
+        if "A" in variants:  # nothing to warm in DRAM: a few steps settle the allocator
+            a_steps = Steps(min(steps.warmup, 30), steps.windows, steps.window_steps)
+            results["A"] = runner.launch("A", steps=a_steps)
+        else:
+            results["A"] = {"ok": False}
+        if "B" in variants or "B_plain" in variants:
+            t0 = time.perf_counter()
+            init_mmap_files(wl, work / "b_files")
+            results["b_files_init_s"] = time.perf_counter() - t0
+            print(f"B's files written in {results['b_files_init_s']:.0f} s", flush=True)
+        b_steps = Steps(steps.warmup, steps.windows, args.b_window_steps or steps.window_steps)
         for budget in args.budgets:
             cap = int(budget * wl.embedding_bytes) + overhead + margin
             pair: dict[str, Any] = {"cap_bytes": cap if capped else None}
@@ -1174,7 +1273,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         continue
                     pair[variant] = runner.launch(variant, budget, cap, b_plain_steps)
                 else:
-                    pair[variant] = runner.launch(variant, budget, cap)
+                    pair[variant] = runner.launch(
+                        variant, budget, cap, b_steps if variant == "B" else None
+                    )
             results["budgets"][_key(budget)] = pair
         if args.fio and not args.smoke:
             after = run_fio(work, args.fio_seconds, "2G")
