@@ -73,6 +73,25 @@ def test_w1_smoke(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("w1_bench_*"))  # work files removed
 
 
+def test_w2_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "w2.json"
+    done = _run("w2_bench.py", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    r = json.loads(out.read_text())
+    assert r["app"]["returncode"] == 0 and r["summary"]["trained"]
+    m = r["metrics"]
+    assert m["steps"] == 6 and m["samples_per_s"] > 0 and 0.0 <= m["cache_hit_rate"] <= 1.0
+    assert any(t["tier_bytes_read"] > 0 for t in m["tables"].values())  # tables on a tier
+    assert "block_scm" in r["plan"] and "byte_scm " not in r["plan"]
+    assert r["app"]["peak_rss_bytes"] > 0 and r["table_bytes"] > 0
+    if r["capped"]:
+        assert r["app"]["cgroup_peak_bytes"] <= r["cap_bytes"]
+        assert r["summary"]["cgroup_peak_under_cap"]
+    else:
+        assert "memory cap skipped" in done.stdout
+    assert "W2 results" in done.stdout
+    assert not list(tmp_path.glob("w2_bench_*"))  # run directory removed
+
+
 def test_cgroup_support_explains_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
     common = _load("_common")
     monkeypatch.setattr(common.os, "geteuid", lambda: 1000)

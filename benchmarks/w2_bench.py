@@ -1,0 +1,290 @@
+"""W2: a model larger than memory trains end to end through the DLRM app under a memory cap.
+
+The app (``python -m apps.dlrm.train``) trains ``conf/model/w2_large.yaml`` (26 Criteo-shaped
+features, 12.2 GiB of tables with their row-wise Adagrad state) inside a memory cgroup capped at
+``--cap`` (default 4 GiB, so the tables are over 3x the cap): page cache included, so nothing
+can hide in it. The tiered planner places the tables on this host as the cap leaves it: DRAM
+for tables and caches limited to ``--dram-budget``, and no byte tier (a memory-mapped byte tier
+would live in the capped page cache); so the big tables go to the block tier (O_DIRECT) behind
+row caches, trained with the look-ahead pipeline. The run evaluates and writes its final
+checkpoint as usual.
+
+Reported: throughput, cache hit rates (overall and per table), tier stall, tier traffic, the
+process's peak RSS and the cgroup's peak usage against the cap, time per phase. The run
+directory (tier files, checkpoint) is removed afterwards unless ``--keep``.
+
+Example::
+
+    python benchmarks/w2_bench.py --out results/w2.json               # ~10 min here
+    python benchmarks/w2_bench.py --smoke --out /tmp/w2_smoke.json    # seconds; the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    MemoryCgroup,
+    cgroup_support,
+    disk_free_bytes,
+    machine_info,
+    write_json,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+STATE_WIDTH = 1  # row-wise Adagrad
+TARGET_RATIO = 3.0
+
+
+def parse_size(text: str) -> int:
+    """``4GiB`` / ``4GB`` / ``512MiB`` / bytes -> bytes (binary units, as the app reads them)."""
+    from apps.dlrm.placement import parse_bytes
+
+    return parse_bytes(text, "size")
+
+
+def table_bytes(model: dict[str, Any]) -> int:
+    """Weights plus row-wise optimizer state of a model config's tables, float32."""
+    dim = int(model["embedding_dim"])
+    return sum(int(n) for n in model["num_embeddings_per_feature"]) * (dim + STATE_WIDTH) * 4
+
+
+def smoke_sizes() -> list[int]:
+    """The W2 shape divided by 1000 (largest table 14k rows)."""
+    model = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "w2_large.yaml"))
+    assert isinstance(model, dict)
+    return [max(4, int(n) // 1000) for n in model["num_embeddings_per_feature"]]
+
+
+def app_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The app's command line: every choice explicit, so app defaults do not move the run."""
+    overrides = [
+        f"model={args.model}",
+        "data=synthetic",
+        f"data.batch_size={args.batch_size}",
+        "data.zipf_exponents=[1.1]",
+        f"run.dir={run_dir}",
+        f"run.steps={args.steps}",
+        f"run.eval_batches={args.eval_batches}",
+        f"run.log_every={max(1, args.steps // 10)}",
+        "run.progress=false",
+        f"run.num_threads={args.threads}",
+        "hardware=local",
+        "hardware.byte_scm=null",  # a mapped byte tier would sit in the capped page cache
+        "planner=tiered",
+        f"planner.dram_budget={args.dram_budget}",
+        f"pipeline.lookahead={args.lookahead}",
+    ]
+    if args.smoke:
+        sizes = ",".join(str(n) for n in smoke_sizes())
+        overrides += [f"model.num_embeddings_per_feature=[{sizes}]", "planner.min_cache_rows=64"]
+    return [sys.executable, "-m", "apps.dlrm.train", *overrides, *args.override]
+
+
+def run_capped(
+    cmd: list[str], cap: int | None, log: Path, capped: bool, support: Any
+) -> dict[str, Any]:
+    """Runs ``cmd`` (in a memory cgroup capped at ``cap`` when ``capped``); returns exit code,
+    wall time, peak RSS (``wait4``) and the cgroup's peak usage and memory.stat."""
+    out: dict[str, Any] = {}
+    cg = MemoryCgroup(support, "w2_app", cap if capped else None) if support.ok else None
+    t0 = time.perf_counter()
+    try:
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                preexec_fn=cg.join_self if cg is not None else None,
+            )
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        out["returncode"] = proc.returncode
+        out["wall_s"] = time.perf_counter() - t0
+        out["peak_rss_bytes"] = usage.ru_maxrss * 1024
+        out["major_faults"] = usage.ru_majflt
+        if cg is not None:
+            out["cgroup_peak_bytes"] = cg.peak_bytes()
+            out["cgroup_stat_at_exit"] = {
+                k: v for k, v in cg.stat().items() if k in ("cache", "rss", "mapped_file")
+            }
+            out["oom_kills"] = cg.oom_kills()
+    finally:
+        if cg is not None:
+            cg.remove()
+    return out
+
+
+def summarize(result: dict[str, Any], metrics: dict[str, Any] | None) -> dict[str, Any]:
+    cap = result["cap_bytes"]
+    tables = result["table_bytes"]
+    peak = result["app"].get("cgroup_peak_bytes") or result["app"].get("peak_rss_bytes")
+    out: dict[str, Any] = {
+        "tables_over_cap": tables / cap if cap else None,
+        "tables_over_cap_target": TARGET_RATIO,
+        "peak_rss_under_cap": (result["app"]["peak_rss_bytes"] <= cap) if cap else None,
+        "cgroup_peak_under_cap": (peak <= cap) if cap and peak else None,
+        "trained": bool(metrics),
+    }
+    if metrics:
+        out.update(
+            {
+                "samples_per_s": metrics.get("samples_per_s"),
+                "cache_hit_rate": metrics.get("cache_hit_rate"),
+                "stall_share": metrics.get("stall_share"),
+                "steps": metrics.get("steps"),
+                "eval_auc": metrics.get("eval_auc"),
+                "seconds": metrics.get("seconds"),
+            }
+        )
+    return out
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    s = result["summary"]
+    app = result["app"]
+    gib = 2**30
+    print("\n=== W2 results ===")
+    print(
+        f"tables {result['table_bytes'] / gib:.2f} GiB (weights + row-wise state), cap "
+        + (f"{result['cap_bytes'] / gib:.2f} GiB" if result["capped"] else "none")
+        + (f" -> {s['tables_over_cap']:.2f}x the cap" if s["tables_over_cap"] else "")
+    )
+    print(
+        f"peak RSS {app.get('peak_rss_bytes', 0) / gib:.2f} GiB, cgroup peak "
+        + (f"{app['cgroup_peak_bytes'] / gib:.2f} GiB" if app.get("cgroup_peak_bytes") else "n/a")
+        + f", exit {app['returncode']}"
+        + (", OOM-killed" if app.get("oom_kills") else "")
+    )
+    if s["trained"]:
+        secs = s.get("seconds") or {}
+        print(
+            f"throughput {s['samples_per_s']:,.0f} samples/s over {s['steps']} steps, cache hit "
+            f"rate {s['cache_hit_rate']:.3f}, tier stall {s['stall_share'] or 0:.1%} of training"
+        )
+        print("time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()))
+        for name, t in sorted(result["metrics"]["tables"].items()):
+            print(
+                f"  {name:<10} hit {t['hit_rate']:.3f}  read {t['tier_bytes_read'] / 2**20:9.1f}"
+                f" MiB  written {t['tier_bytes_written'] / 2**20:9.1f} MiB"
+            )
+    print(f"load average {result['machine']['load_average']}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cap", default="4GiB", help="memory cap of the app process")
+    parser.add_argument(
+        "--dram-budget", default="2GiB", help="planner.dram_budget: DRAM for tables and caches"
+    )
+    parser.add_argument("--model", default="w2_large", help="model config (conf/model)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-batches", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--lookahead", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--no-cap", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    parser.add_argument("--smoke", action="store_true", help="tiny tables, a few steps")
+    parser.add_argument(
+        "override", nargs="*", help="extra Hydra overrides for the app, e.g. run.seed=1"
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.eval_batches, args.batch_size = min(args.steps, 6), 2, 128
+        args.cap, args.dram_budget = "2GiB", "1MiB"
+        args.lookahead = min(args.lookahead, 1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    model = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml"))
+    assert isinstance(model, dict)
+    if args.smoke:
+        model["num_embeddings_per_feature"] = smoke_sizes()
+    tables = table_bytes(model)
+    cap = parse_size(args.cap)
+    support = cgroup_support()
+    capped = support.ok and not args.no_cap
+    if not capped:
+        reason = "--no-cap given" if args.no_cap else support.reason
+        print(f"memory cap skipped: {reason}; the app runs without a cap", flush=True)
+    elif tables < TARGET_RATIO * cap and not args.smoke:
+        print(
+            f"note: tables ({tables / 2**30:.2f} GiB) are less than {TARGET_RATIO:g}x the cap "
+            f"({cap / 2**30:.2f} GiB)",
+            flush=True,
+        )
+    args.dir.mkdir(parents=True, exist_ok=True)
+    need = 2.2 * tables  # tier files + the final checkpoint
+    free = disk_free_bytes(args.dir)
+    print(
+        f"W2: {args.model}, {tables / 2**30:.2f} GiB of tables; {free / 2**30:.1f} GiB free in "
+        f"{args.dir} (needs ~{need / 2**30:.1f} GiB: tier files + final checkpoint)",
+        flush=True,
+    )
+    if free < need:
+        raise SystemExit(f"not enough free disk in {args.dir}: use --dir or a smaller model")
+    work = Path(tempfile.mkdtemp(prefix="w2_bench_", dir=args.dir))
+    run_dir = work / "run"
+    result: dict[str, Any] = {
+        "model": args.model,
+        "table_bytes": tables,
+        "num_rows": sum(int(n) for n in model["num_embeddings_per_feature"]),
+        "cap_bytes": cap if capped else None,
+        "capped": capped,
+        "cap_skipped_reason": None if capped else ("--no-cap" if args.no_cap else support.reason),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine_start_load": list(os.getloadavg()),
+    }
+    try:
+        cmd = app_command(args, run_dir)
+        result["command"] = " ".join(cmd[1:])
+        print("$ python " + result["command"], flush=True)
+        log = work / "app.log"
+        result["app"] = run_capped(cmd, cap, log, capped, support)
+        text = log.read_text(errors="replace")
+        print(text[-6000:], flush=True)
+        metrics_path = run_dir / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
+        result["metrics"] = metrics
+        plan = run_dir / "plan.txt"
+        result["plan"] = plan.read_text() if plan.exists() else None
+        if result["app"]["returncode"] != 0:
+            result["app"]["log_tail"] = text[-3000:]
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["machine"] = machine_info()
+    result["summary"] = summarize(result, metrics)
+    print_summary(result)
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main(sys.argv[1:])
