@@ -496,6 +496,27 @@ def contiguous_start(ids: IdArray) -> int | None:
     return first
 
 
+def gather_rows(rows: npt.NDArray[Any], ids: IdArray, out: RowArray) -> None:
+    """Copies ``rows[ids]`` into ``out`` for the tiers whose rows are an array (memory or a
+    mapping): a slice for a range of ids, else a gather, converting the dtype if needed."""
+    start = contiguous_start(ids)
+    if start is not None:
+        out[...] = rows[start : start + ids.size]
+    elif rows.dtype == out.dtype:
+        np.take(rows, ids, axis=0, out=out)
+    else:
+        out[...] = rows[ids]
+
+
+def scatter_rows(rows: npt.NDArray[Any], ids: IdArray, values: RowArray) -> None:
+    """Stores ``values`` at ``rows[ids]`` (a slice for a range of ids); see :func:`gather_rows`."""
+    start = contiguous_start(ids)
+    if start is not None:
+        rows[start : start + ids.size] = values
+    else:
+        rows[ids] = values
+
+
 def check_table_name(table: str) -> None:
     """Refuses names that would place a file outside the store's directory."""
     if not table or "/" in table or "\0" in table or table in (".", "..") or os.sep in table:

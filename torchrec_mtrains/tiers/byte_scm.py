@@ -31,8 +31,9 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
-    contiguous_start,
+    gather_rows,
     register_tier,
+    scatter_rows,
 )
 from torchrec_mtrains.types import RowLayout
 
@@ -133,21 +134,11 @@ class ByteSCMStore(RowStore):
         return self._rows
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        start = contiguous_start(ids)
-        if start is not None:
-            out[...] = self._rows[start : start + ids.size]
-        elif self._rows.dtype == out.dtype:
-            np.take(self._rows, ids, axis=0, out=out)
-        else:
-            out[...] = self._rows[ids]
+        gather_rows(self._rows, ids, out)
         return ids.size * self.layout.row_bytes, 0
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        start = contiguous_start(ids)
-        if start is not None:
-            self._rows[start : start + ids.size] = rows
-        else:
-            self._rows[ids] = rows
+        scatter_rows(self._rows, ids, rows)
         return ids.size * self.layout.row_bytes, 0
 
     def _flush(self) -> int:

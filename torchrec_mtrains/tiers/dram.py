@@ -20,8 +20,9 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
-    contiguous_start,
+    gather_rows,
     register_tier,
+    scatter_rows,
 )
 from torchrec_mtrains.types import RowLayout
 
@@ -98,21 +99,11 @@ class DramStore(RowStore):
             pos += n
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        start = contiguous_start(ids)
-        if start is not None:
-            out[...] = self._rows[start : start + ids.size]
-        elif self._rows.dtype == out.dtype:
-            np.take(self._rows, ids, axis=0, out=out)
-        else:
-            out[...] = self._rows[ids]
+        gather_rows(self._rows, ids, out)
         return ids.size * self.layout.row_bytes, 0
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        start = contiguous_start(ids)
-        if start is not None:
-            self._rows[start : start + ids.size] = rows
-        else:
-            self._rows[ids] = rows
+        scatter_rows(self._rows, ids, rows)
         self._dirty[ids // self._chunk_rows] = True
         return ids.size * self.layout.row_bytes, 0
 
