@@ -46,12 +46,32 @@ logger: logging.Logger = logging.getLogger(__name__)
 _CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
 
 
-class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
-    """Grouped pooled lookup that builds :class:`TieredEmbeddingBag` for tiered groups."""
+class _TieredLookupMixin:
+    """Storage for the tiered kernels a grouped lookup creates, and their prefetch (TorchRec's
+    lookups only prefetch its own caching kernels)."""
+
+    _tier_storage: TierStorage
+    _emb_modules: Any
+    _feature_splits: list[int]
 
     def __init__(self, *, storage: TierStorage, **kwargs: Any) -> None:
+        # Set before TorchRec's constructor, which creates the kernels.
         object.__setattr__(self, "_tier_storage", storage)
         super().__init__(**kwargs)
+
+    def prefetch(
+        self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
+    ) -> None:
+        super().prefetch(sparse_features, forward_stream)  # type: ignore[misc]
+        if not len(self._emb_modules):
+            return
+        for kernel, features in zip(self._emb_modules, sparse_features.split(self._feature_splits)):
+            if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
+                kernel.prefetch(features)
+
+
+class TieredGroupedPooledEmbeddingsLookup(_TieredLookupMixin, GroupedPooledEmbeddingsLookup):
+    """Grouped pooled lookup that builds :class:`TieredEmbeddingBag` for tiered groups."""
 
     def _create_embedding_kernel(  # type: ignore[override]
         self,
@@ -65,19 +85,9 @@ class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             return TieredEmbeddingBag(config, self._tier_storage, pg, device, sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
-    def prefetch(
-        self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
-    ) -> None:
-        super().prefetch(sparse_features, forward_stream)
-        _prefetch_tiered(self, sparse_features)
 
-
-class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
+class TieredGroupedEmbeddingsLookup(_TieredLookupMixin, GroupedEmbeddingsLookup):
     """Grouped sequence lookup that builds :class:`TieredEmbedding` for tiered groups."""
-
-    def __init__(self, *, storage: TierStorage, **kwargs: Any) -> None:
-        object.__setattr__(self, "_tier_storage", storage)
-        super().__init__(**kwargs)
 
     def _create_embedding_kernel(  # type: ignore[override]
         self,
@@ -89,22 +99,6 @@ class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
         if config.compute_kernel == _CUSTOM:
             return TieredEmbedding(config, self._tier_storage, pg, device)
         return super()._create_embedding_kernel(config, pg, device, env)
-
-    def prefetch(
-        self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
-    ) -> None:
-        super().prefetch(sparse_features, forward_stream)
-        _prefetch_tiered(self, sparse_features)
-
-
-def _prefetch_tiered(lookup: Any, sparse_features: KeyedJaggedTensor) -> None:
-    """Hands each tiered kernel of ``lookup`` its part of a later batch's features (TorchRec's
-    lookups only prefetch its own caching kernels)."""
-    if not len(lookup._emb_modules):
-        return
-    for kernel, features in zip(lookup._emb_modules, sparse_features.split(lookup._feature_splits)):
-        if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
-            kernel.prefetch(features)
 
 
 class _TieredShardedMixin:
