@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,21 @@ def step(model: DistributedModelParallel, kjt: KeyedJaggedTensor) -> None:
     (out.values() * torch.linspace(-1, 1, out.values().shape[1])).sum().backward()
 
 
+_STARTED: list[TieredTableGroup] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_workers() -> Iterator[None]:
+    """Ends every tier I/O worker a test started, so no thread outlives its test."""
+    yield
+    while _STARTED:
+        _STARTED.pop().stop_background_io()
+
+
 def tiered_group(model: DistributedModelParallel) -> TieredTableGroup:
     groups = list(model.module.tiered_groups())
     assert len(groups) == 1
+    _STARTED.append(groups[0])
     return groups[0]
 
 
