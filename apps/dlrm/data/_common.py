@@ -44,6 +44,18 @@ def check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
 
 
+def check_stream(
+    rank: int, world_size: int, batch_size: int, start_batch: int, num_batches: int | None
+) -> None:
+    """The checks every data source makes of where its stream starts and how long it is."""
+    check_rank(rank, world_size)
+    check_positive(batch_size, "batch_size")
+    if start_batch < 0:
+        raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+    if num_batches is not None and num_batches < 0:
+        raise ValueError(f"num_batches must be >= 0 or None, got {num_batches}")
+
+
 def check_sizes(sizes: Sequence[int], name: str = "num_embeddings_per_feature") -> None:
     bad = [n for n in sizes if n < 1]
     if bad:

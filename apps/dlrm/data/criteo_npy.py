@@ -26,9 +26,8 @@ from torchrec.datasets.criteo import BinaryCriteoUtils
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.data._common import (
-    check_positive,
-    check_rank,
     check_sizes,
+    check_stream,
     feature_names,
     one_hot_batch,
     per_table,
@@ -77,12 +76,7 @@ class CriteoNpyDataset(IterableDataset[Batch]):
         start_batch: int = 0,
     ) -> None:
         super().__init__()
-        check_rank(rank, world_size)
-        check_positive(config.batch_size, "batch_size")
-        if start_batch < 0:
-            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
-        if config.num_batches is not None and config.num_batches < 0:
-            raise ValueError(f"num_batches must be >= 0 or None, got {config.num_batches}")
+        check_stream(rank, world_size, config.batch_size, start_batch, config.num_batches)
         if not config.data_dir:
             raise ValueError("data_dir must name the directory of the Criteo .npy files")
         if not config.stems:

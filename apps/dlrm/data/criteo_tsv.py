@@ -32,9 +32,8 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.data._common import (
-    check_positive,
-    check_rank,
     check_sizes,
+    check_stream,
     feature_names,
     one_hot_batch,
     per_table,
@@ -177,12 +176,7 @@ class CriteoTsvDataset(IterableDataset[Batch]):
         start_batch: int = 0,
     ) -> None:
         super().__init__()
-        check_rank(rank, world_size)
-        check_positive(config.batch_size, "batch_size")
-        if start_batch < 0:
-            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
-        if config.num_batches is not None and config.num_batches < 0:
-            raise ValueError(f"num_batches must be >= 0 or None, got {config.num_batches}")
+        check_stream(rank, world_size, config.batch_size, start_batch, config.num_batches)
         self.config = config
         self.rank = rank
         self.world_size = world_size
