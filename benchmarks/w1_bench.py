@@ -7,8 +7,9 @@ batch 8192, row-wise Adagrad (fused), and a small dense part (13 dense features 
 
 Variants, each in its own subprocess:
 
-* ``A``: TorchRec's FUSED kernel with every table in DRAM; no memory cap (the upper bound).
-* ``B``: what a user tries first: TorchRec's FUSED kernel whose host weights and row-wise
+* ``A``: TorchRec's sharder and FUSED kernel with every table in DRAM; no memory cap (the
+  upper bound).
+* ``B``: what a user tries first: TorchRec's sharder and FUSED kernel whose host weights and row-wise
   momentum are memory-mapped files (``mmap(MAP_SHARED)`` handed to fbgemm's TBE as
   ``preallocated_host_buffers``), paged by the OS. The run checks that the kernel's weights are
   the mapping and that the file holds the trained rows.
@@ -58,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
@@ -86,7 +88,12 @@ from apps.dlrm.data import (
     SyntheticCriteoDataset,
     SyntheticDataConfig,
 )
-from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.distributed import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TieredTableOptions,
+    TierStorage,
+)
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.planner import (
@@ -121,7 +128,8 @@ TARGET_VS_A = 0.9
 TARGET_VS_B = 3.0
 TARGET_FIO = 0.7
 TARGET_BUDGET = 0.15
-VARIANTS = ("A", "B", "B_plain", "ours")
+VARIANTS = ("A", "B", "B_plain", "ours", "ours_1f")
+EXTRA_VARIANTS = ("B_plain", "ours_1f")  # run only at --extra-budgets
 # The block tier's buffers are DRAM too: passes of at most 4 MiB of blocks (1024 I/Os, plenty to
 # keep 32 in flight) keep each store's idle buffers under ~8 MiB; the plan leaves room for them.
 IO_PASS_BYTES = 4 << 20
@@ -216,6 +224,7 @@ class WorkerSpec:
     b_advice: str = "random"
     cold_start: bool = True
     max_warmup_s: float = 1e9
+    caches: str = "planner"
 
 
 # ------------------------------------------------------------------------------------ model
@@ -272,7 +281,7 @@ def _fused_params() -> dict[str, Any]:
 def _shard(
     wl: Workload,
     sizes: Sequence[int],
-    sharder: TieredEmbeddingBagCollectionSharder,
+    sharder: EmbeddingBagCollectionSharder,
     plan: EmbeddingModuleShardingPlan | None,
 ) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     configs = wl.configs(sizes)
@@ -306,7 +315,8 @@ def probe_sizes(wl: Workload) -> list[int]:
 
 
 def build_fused(wl: Workload, sizes: Sequence[int] | None = None) -> Built:
-    sharder = TieredEmbeddingBagCollectionSharder(fused_params=_fused_params())
+    """A (and the probe): TorchRec's own sharder and FUSED kernel, every table in DRAM."""
+    sharder = EmbeddingBagCollectionSharder(fused_params=_fused_params())
     model, dense = _shard(wl, sizes or wl.sizes, sharder, None)
     return Built(model, dense, plan_text="every table on TorchRec's FUSED kernel in DRAM")
 
@@ -373,17 +383,39 @@ def _map_file(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     return mapping, torch.frombuffer(mapping, dtype=torch.float32)
 
 
+@contextlib.contextmanager
+def _skip_torchrec_init() -> Iterator[None]:
+    """TorchRec initializes FUSED tables twice while sharding (the kernel's
+    ``init_parameters`` and the sharded collection's ``reset_parameters``); on B's mappings
+    each pass writes every row through the page cache of the capped process. B's files hold
+    that initialization already, so both are skipped while B is built."""
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    saved = (
+        BatchedFusedEmbeddingBag.init_parameters,
+        ShardedEmbeddingBagCollection.reset_parameters,
+    )
+    BatchedFusedEmbeddingBag.init_parameters = lambda self: None  # type: ignore[method-assign]
+    ShardedEmbeddingBagCollection.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        (
+            BatchedFusedEmbeddingBag.init_parameters,  # type: ignore[method-assign]
+            ShardedEmbeddingBagCollection.reset_parameters,  # type: ignore[method-assign]
+        ) = saved
+
+
 def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
     """B: TorchRec's FUSED kernel (one fbgemm TBE for all 26 tables) whose host weights and
     row-wise momentum are shared mappings of the files :func:`init_mmap_files` wrote, handed
     to fbgemm's TBE constructor as ``preallocated_host_buffers``.
 
-    TorchRec's kernel would initialize the weights again in its constructor, writing all of
-    them through the mapping inside the capped process (minutes of dirty-page write-back
-    under the cap); the files already hold that initialization, so its ``init_parameters``
-    is skipped here, and the TBE's table layout is checked against the files'."""
-    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-
+    TorchRec would initialize the weights again while sharding, writing all of them through
+    the mapping inside the capped process (minutes of dirty-page write-back under the cap);
+    the files already hold that initialization, so those passes are skipped here
+    (:func:`_skip_torchrec_init`), and the TBE's table layout is checked against the files'."""
     rows = sum(wl.sizes)
     weights_path, momentum_path = directory / B_WEIGHTS, directory / B_MOMENTUM
     w_map, weights = _map_file(weights_path, rows * wl.dim * 4)
@@ -393,13 +425,9 @@ def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
             m.madvise(mmap.MADV_RANDOM)
     params = _fused_params()
     params["preallocated_host_buffers"] = _HashableBuffers(weights=weights, momentum1=momentum)
-    sharder = TieredEmbeddingBagCollectionSharder(fused_params=params)
-    init = BatchedFusedEmbeddingBag.init_parameters
-    BatchedFusedEmbeddingBag.init_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
+    sharder = EmbeddingBagCollectionSharder(fused_params=params)
+    with _skip_torchrec_init():
         model, dense = _shard(wl, wl.sizes, sharder, None)
-    finally:
-        BatchedFusedEmbeddingBag.init_parameters = init  # type: ignore[method-assign]
     tbes = fused_tbes(model)
     if len(tbes) != 1:
         raise RuntimeError(f"expected one fused TBE for all tables, found {len(tbes)}")
@@ -508,7 +536,28 @@ def tiered_plan(
     return plan, str(summary), info
 
 
-def build_tiered(wl: Workload, directory: Path, budget_bytes: int, lookahead: int) -> Built:
+def one_cache_factor(plan: EmbeddingModuleShardingPlan, wl: Workload) -> float:
+    """Gives every tiered table of ``plan`` one cache load factor (in place), keeping the total
+    cache rows: tables with equal tier options share one tiered kernel (TorchRec groups tables
+    by their fused parameters), so the step runs one cache kernel instead of one per table.
+    Returns the factor."""
+    rows = {c.name: c.num_embeddings for c in wl.configs()}
+    tiered = {n: ps for n, ps in plan.items() if isinstance(ps, TieredParameterSharding)}
+    if not tiered:
+        return 0.0
+    cached = sum(ps.tier_options.cache_rows(rows[n]) for n, ps in tiered.items())
+    factor = min(1.0, cached / sum(rows[n] for n in tiered))
+    for name, ps in tiered.items():
+        o = ps.tier_options
+        plan[name] = TieredParameterSharding.wrap(
+            ps, TieredTableOptions(o.tier, cache_load_factor=factor, cache_policy=o.cache_policy)
+        )
+    return factor
+
+
+def build_tiered(
+    wl: Workload, directory: Path, budget_bytes: int, lookahead: int, caches: str = "planner"
+) -> Built:
     storage = TierStorage(
         root=str(directory),
         tier_options={"block_scm": {"block_size": 4096, "max_pass_bytes": IO_PASS_BYTES}},
@@ -520,6 +569,10 @@ def build_tiered(wl: Workload, directory: Path, budget_bytes: int, lookahead: in
     reserve = min(IO_RESERVE_BYTES, budget_bytes // 8)
     plan, text, info = tiered_plan(wl, budget_bytes - reserve, lookahead, sharder)
     info["io_reserve_bytes"] = reserve
+    info["caches"] = caches
+    if caches == "one-factor":
+        info["one_cache_factor"] = one_cache_factor(plan, wl)
+        text += f"\ncaches: one load factor {info['one_cache_factor']:.4f} for all tiered tables"
     model, dense = _shard(wl, wl.sizes, sharder, plan)
     files = [p for p in directory.rglob("*.rows")]
     return Built(model, dense, files=files, plan_text=text, info=info)
@@ -533,69 +586,74 @@ def tiered_groups(model: DistributedModelParallel) -> list[TieredTableGroup]:
 
 
 class TierClock:
-    """Times the tiered kernels' I/O: each block-store read and write call (on whichever thread
-    made it), and how long the training thread was blocked on tier I/O (the stall): the
-    kernel's own counters (``TieredTableGroup.io_counters``) when it has them, else timed here
-    around its waits and inline I/O."""
+    """Times the block tier's work: each store read and write call (on whichever tier worker
+    made it) and the time at least one read (write) was in flight, which is what a rate over
+    several concurrent workers must divide by; plus the kernel's own counters
+    (``TieredTableGroup.io_counters``): the training thread's stall and the workers' I/O time."""
 
     def __init__(self, groups: list[TieredTableGroup]) -> None:
         self.groups = groups
-        self.seconds: dict[str, float] = {"read": 0.0, "write": 0.0, "stall": 0.0, "io": 0.0}
-        self.rows: dict[str, int] = {"read": 0, "write": 0}
         self._lock = threading.Lock()
-        self._kernel_counters = all(hasattr(g, "io_counters") for g in groups)
+        self.calls_s = {"read": 0.0, "write": 0.0}
+        self.busy_s = {"read": 0.0, "write": 0.0}
+        self.rows = {"read": 0, "write": 0}
+        self._active = {"read": 0, "write": 0}
+        self._since = {"read": 0.0, "write": 0.0}
         for group in groups:
-            if not self._kernel_counters:
-                self._wrap_group(group)
             for shard in group.shards:
-                self._wrap_store(shard.store)
+                store = shard.store
+                store.read_rows = self._timed(store.read_rows, "read")
+                store.write_rows = self._timed(store.write_rows, "write")
 
-    def _add(self, key: str, dt: float, rows: int = 0) -> None:
-        with self._lock:
-            self.seconds[key] += dt
-            if rows:
-                self.rows[key] += rows
-
-    def _timed(self, fn: Any, key: str, count_rows: bool = False) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+    def _timed(self, fn: Any, key: str) -> Any:
+        def wrapped(ids: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                t0 = time.perf_counter()
+                if self._active[key] == 0:
+                    self._since[key] = t0
+                self._active[key] += 1
             try:
-                return fn(*args, **kwargs)
+                return fn(ids, *args, **kwargs)
             finally:
-                self._add(key, time.perf_counter() - t0, len(args[0]) if count_rows else 0)
+                with self._lock:
+                    t1 = time.perf_counter()
+                    self._active[key] -= 1
+                    if self._active[key] == 0:
+                        self.busy_s[key] += t1 - self._since[key]
+                    self.calls_s[key] += t1 - t0
+                    self.rows[key] += len(ids)
 
         return wrapped
 
-    def _wrap_group(self, group: TieredTableGroup) -> None:
-        submit = group._submit
-
-        def timed_submit(work: Any) -> Any:
-            if group.background_io:
-                return submit(work)
-            t0 = time.perf_counter()
-            try:
-                return submit(work)  # runs the I/O inline, on the training thread
-            finally:
-                dt = time.perf_counter() - t0
-                self._add("stall", dt)
-                self._add("io", dt)
-
-        group._submit = timed_submit  # type: ignore[method-assign]
-        group._wait = self._timed(group._wait, "stall")  # type: ignore[method-assign]
-
-    def _wrap_store(self, store: Any) -> None:
-        store.read_rows = self._timed(store.read_rows, "read", count_rows=True)
-        store.write_rows = self._timed(store.write_rows, "write", count_rows=True)
-
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            out = {f"{k}_s": v for k, v in self.seconds.items()}
+            out = {f"{k}_calls_s": v for k, v in self.calls_s.items()}
+            out.update({f"{k}_busy_s": v for k, v in self.busy_s.items()})
             out.update({f"rows_{k}": float(v) for k, v in self.rows.items()})
-        if self._kernel_counters:
-            counters = [g.io_counters() for g in self.groups]  # type: ignore[attr-defined]
-            out["stall_s"] = sum(c.stall_seconds for c in counters)
-            out["io_s"] = sum(c.io_seconds for c in counters)
+        counters = [g.io_counters() for g in self.groups]
+        out["stall_s"] = sum(c.stall_seconds for c in counters)
+        out["io_s"] = sum(c.io_seconds for c in counters)
         return out
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by role: the training
+    (main) thread, the tier I/O workers, and the rest (gloo, OpenMP, ...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"main": 0.0, "tier_io": 0.0, "other": 0.0}
+    workers = {t.native_id for t in threading.enumerate() if t.name.startswith("mtrains-tier-io")}
+    main_id = threading.main_thread().native_id
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        tid = int(task.name)
+        role = "main" if tid == main_id else "tier_io" if tid in workers else "other"
+        out[role] += cpu
+    return out
 
 
 def tier_snapshot(groups: list[TieredTableGroup]) -> dict[str, dict[str, float]]:
@@ -686,13 +744,14 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             built = build_fused(wl, sizes)
         elif spec.variant in ("B", "B_plain"):
             built = build_mmap(wl, directory, spec.b_advice)
-        elif spec.variant == "ours":
+        elif spec.variant in ("ours", "ours_1f"):
             if spec.budget_fraction is None:
-                raise ValueError("variant ours needs a budget")
+                raise ValueError(f"variant {spec.variant} needs a budget")
             budget = int(spec.budget_fraction * wl.embedding_bytes)
-            built = build_tiered(wl, directory, budget, spec.lookahead)
+            caches = "one-factor" if spec.variant == "ours_1f" else spec.caches
+            built = build_tiered(wl, directory, budget, spec.lookahead, caches)
         else:
-            raise ValueError(f"unknown variant {spec.variant!r}; expected A, B, ours or probe")
+            raise ValueError(f"unknown variant {spec.variant!r}; expected one of {VARIANTS}")
         result["build_s"] = time.perf_counter() - t0
         result["rss_after_build_bytes"] = rss_bytes()
         result["plan"] = built.plan_text
@@ -743,7 +802,7 @@ def train(
     """Warm-up, then the timed windows; returns the measurements and what ends the run (the
     look-ahead pipeline's close: it drains the tier worker and writes dirty rows back)."""
     stream = BatchStream(wl, sizes)
-    groups = tiered_groups(built.model) if spec.variant == "ours" else []
+    groups = tiered_groups(built.model) if spec.variant.startswith("ours") else []
     clock = TierClock(groups) if groups else None
     pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
     if groups and spec.lookahead > 0:
@@ -784,6 +843,7 @@ def train(
     timed_steps = steps.windows * steps.window_steps
     stream.prepare(done, timed_steps + spec.lookahead)
     before = ProcessCounters.now()
+    cpu_before = thread_cpu_seconds()
     tiers_before = tier_snapshot(groups)
     clock_before = clock.snapshot() if clock else {}
     windows: list[float] = []
@@ -801,6 +861,10 @@ def train(
             flush=True,
         )
     after = ProcessCounters.now()
+    cpu_after = thread_cpu_seconds()
+    out["cpu_ms_per_step"] = {
+        k: (cpu_after[k] - cpu_before.get(k, 0.0)) / timed_steps * 1e3 for k in cpu_after
+    }
     out.update(median_windows(windows, steps.window_steps * wl.batch_size))
     out["step_ms_median"] = statistics.median(windows) / steps.window_steps * 1e3
     io = after.rates_since(before)
@@ -819,19 +883,22 @@ def train(
             out["stall_share"] = spent["stall_s"] / timed_s if timed_s else None
             out["stall_ms_per_step"] = spent["stall_s"] / timed_steps * 1e3
             out["tier_io_ms_per_step"] = spent["io_s"] / timed_steps * 1e3
-            # Miss service: rows read from the block tier per second spent in its read calls
-            # (each row is one or two 4 KiB blocks; the store keeps 32 I/Os in flight).
-            # Write-backs read-modify-write their blocks and are timed separately.
+
+            def rate(rows: float, seconds: float) -> float | None:
+                return rows / seconds if seconds > 0 else None
+
+            # Miss service in training: rows read from the block tier per second during which
+            # any read was in flight (one tier worker per tiered kernel, each keeping 32 I/Os
+            # in flight; write-backs share the device). Each row is one or two 4 KiB blocks.
             out["block_reads"] = {
                 "rows": spent["rows_read"],
-                "seconds": spent["read_s"],
-                "rows_per_s": spent["rows_read"] / spent["read_s"] if spent["read_s"] else None,
+                "busy_s": spent["read_busy_s"],
+                "rows_per_s": rate(spent["rows_read"], spent["read_busy_s"]),
+                "rows_per_s_per_call": rate(spent["rows_read"], spent["read_calls_s"]),
                 "rows_written": spent["rows_write"],
-                "write_seconds": spent["write_s"],
-                "rows_written_per_s": (
-                    spent["rows_write"] / spent["write_s"] if spent["write_s"] else None
-                ),
-                "io_threads": len(groups),
+                "write_busy_s": spent["write_busy_s"],
+                "rows_written_per_s": rate(spent["rows_write"], spent["write_busy_s"]),
+                "tier_workers": len(groups),
             }
     else:
         out["hit_rate"] = None
@@ -871,7 +938,12 @@ class Runner:
         tag = variant if budget is None else f"{variant}_{budget:g}"
         # Files are reused across budgets: ours' tier files (opened, or created once) and B's
         # mapped files (written once by init_mmap_files).
-        shared = {"ours": "ours_tiers", "B": "b_files", "B_plain": "b_files"}
+        shared = {
+            "ours": "ours_tiers",
+            "ours_1f": "ours_tiers",
+            "B": "b_files",
+            "B_plain": "b_files",
+        }
         directory = self.work / shared.get(variant, tag)
         out = self.work / f"{tag}.json"
         spec = WorkerSpec(
@@ -882,9 +954,10 @@ class Runner:
             out=str(out),
             budget_fraction=budget,
             threads=self.args.threads,
-            lookahead=self.args.lookahead if variant == "ours" else 0,
+            lookahead=self.args.lookahead if variant.startswith("ours") else 0,
             b_advice="normal" if variant == "B_plain" else self.args.b_advice,
             max_warmup_s=self.args.max_warmup_s,
+            caches=self.args.caches,
         )
         spec_path = self.work / f"{tag}.spec.json"
         write_json(spec_path, asdict(spec))
@@ -951,8 +1024,13 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "B_vs_A": b_rate / a_rate if a_rate and b_rate else None,
             "ours_vs_A": o_rate / a_rate if a_rate and o_rate else None,
             "ours_vs_B": o_rate / b_rate if o_rate and b_rate else None,
+            "ours_1f_samples_per_s": _rate(pair.get("ours_1f", {})),
+            "ours_1f_vs_A": _ratio(_rate(pair.get("ours_1f", {})), a_rate),
             "B_plain_samples_per_s": p_rate,
             "ours_vs_B_plain": o_rate / p_rate if o_rate and p_rate else None,
+            "B_excess_ms_per_step": _excess(b, a),
+            "ours_excess_ms_per_step": _excess(ours, a),
+            "ours_stall_ms_per_step": ours.get("stall_ms_per_step"),
             "ours_hit_rate": ours.get("hit_rate"),
             "ours_stall_share": ours.get("stall_share"),
         }
@@ -973,17 +1051,39 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         }
         ours = results["budgets"][_key(TARGET_BUDGET)].get("ours", {})
         fio = results.get("fio", {}).get("iops_mean")
-        reads = ours.get("block_reads", {}) or {}
-        rate = reads.get("rows_per_s")
-        if fio and rate:
+        alone = (ours.get("block_reads_isolated") or {}).get("rows_per_s")
+        in_run = (ours.get("block_reads") or {}).get("rows_per_s")
+        if fio and alone:
+            # Judged as tier_bench judges it: random single-row reads of the tier's own file
+            # (here the biggest W1 table, in calls of one step's misses) against fio's random
+            # 4 KiB reads at QD32 on the same file system. In training the device also serves
+            # write-backs and the workers share the CPU with training: reported beside it.
             targets["block_miss_service_vs_fio"] = {
-                "rows_per_s": rate,
+                "rows_per_s": alone,
+                "in_training_rows_per_s": in_run,
+                "in_training_vs_fio": in_run / fio if in_run else None,
                 "fio_iops": fio,
-                "value": rate / fio,
+                "value": alone / fio,
                 "target": TARGET_FIO,
-                "met": rate / fio >= TARGET_FIO,
+                "met": alone / fio >= TARGET_FIO,
             }
     return {"table": table, "targets": targets}
+
+
+def _rate(run: dict[str, Any]) -> float | None:
+    return float(run["samples_per_s"]) if run.get("ok") else None
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x and y else None
+
+
+def _excess(run: dict[str, Any], a: dict[str, Any]) -> float | None:
+    """Step time beyond A's (same batches, same kernel and dense part): for B all of it is
+    waiting for the OS to page rows in and out; for ours it is stall plus cache work."""
+    if not run.get("ok") or not a.get("ok"):
+        return None
+    return float(run["step_ms_median"] - a["step_ms_median"])
 
 
 def _key(budget: float) -> str:
@@ -1022,6 +1122,12 @@ def print_summary(results: dict[str, Any]) -> None:
             f"{f(r['ours_hit_rate'], '>6.3f')} {f(r['ours_stall_share'], '>6.1%')}"
         )
     for r in s["table"]:
+        if r["ours_1f_samples_per_s"]:
+            print(
+                f"ours_1f (the plan's tiers, one cache factor: one tiered kernel) at "
+                f"{r['budget_fraction']:.0%}: {r['ours_1f_samples_per_s']:,.0f} samples/s, "
+                f"{f(r['ours_1f_vs_A'], '.2f')} x A"
+            )
         if r["B_plain_samples_per_s"]:
             print(
                 f"B_plain (mmap, default readahead) at {r['budget_fraction']:.0%}: "
@@ -1052,8 +1158,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.axhline(a, color="black", linestyle="--", label="A: FUSED, all tables in DRAM")
         ax.axhline(TARGET_VS_A * a, color="grey", linestyle=":", label="0.9 x A")
     for key, label, marker in (
-        ("B_samples_per_s", "B: FUSED on mmap'd files (OS paging)", "s"),
-        ("ours_samples_per_s", "ours: tiered plan, block tier + row caches", "o"),
+        ("B_samples_per_s", "B: FUSED on mmap'd files (OS paging, MADV_RANDOM)", "s"),
+        ("B_plain_samples_per_s", "B_plain: same, default readahead", "x"),
+        ("ours_samples_per_s", "ours: tiered plan, block tier + row caches, look-ahead", "o"),
+        ("ours_1f_samples_per_s", "ours_1f: same tiers, one cache factor (one kernel)", "D"),
     ):
         pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
         if pts:
@@ -1065,7 +1173,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ylim=(0, None),
     )
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
     for key, label in (("B_vs_A", "B / A"), ("ours_vs_A", "ours / A"), ("ours_vs_B", "ours / B")):
         pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
         if pts:
@@ -1074,7 +1183,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax2.set(xlabel="DRAM budget (% of embedding bytes)", ylabel="ratio", title="ratios")
     ax2.set_yscale("log")
     ax2.grid(True, which="both", alpha=0.3)
-    ax2.legend(fontsize="small")
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize="small")
     wl = results["workload"]
     fig.suptitle(
         f"W1 Criteo-Kaggle shape: {wl['embedding_bytes'] / 2**30:.1f} GiB of embeddings, "
@@ -1110,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--scale", type=float, default=1.0, help="rows per table x this")
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--lookahead", type=int, default=1, help="0 turns look-ahead off")
+    parser.add_argument("--lookahead", type=int, default=2, help="0 turns look-ahead off")
     parser.add_argument(
         "--b-advice",
         choices=["normal", "random"],
@@ -1118,10 +1228,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="madvise of B's mappings (B_plain always runs with the default, normal)",
     )
     parser.add_argument(
-        "--b-plain-budgets",
+        "--extra-budgets",
         type=parse_budgets,
         default=[TARGET_BUDGET],
-        help="budgets at which B_plain runs (it is slow: the OS reads around every fault)",
+        help="budgets at which B_plain (slow: the OS reads around every fault) and ours_1f "
+        "(ours with one cache factor) run",
     )
     parser.add_argument(
         "--b-plain-steps",
@@ -1132,13 +1243,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--b-window-steps",
         type=int,
         default=None,
-        help="steps per timed window of B (default: --window-steps; B's steps are long)",
+        help="steps per timed window of B (default: half of --window-steps; B's steps are long)",
     )
     parser.add_argument(
         "--max-warmup-s",
         type=float,
-        default=240.0,
+        default=150.0,
         help="a variant's warm-up stops after this many seconds (then its timed windows run)",
+    )
+    parser.add_argument(
+        "--caches",
+        choices=["planner", "one-factor"],
+        default="planner",
+        help="ours' cache sizes: the planner's per table, or one load factor for all tiered "
+        "tables with the same total rows (they then share one kernel)",
     )
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--no-cap", action="store_true", help="never limit memory")
@@ -1167,7 +1285,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         steps = Steps(warmup=4, windows=2, window_steps=3)
     else:
-        steps = Steps(warmup=150, windows=5, window_steps=10)
+        # 300 steps fill the 15% plan's caches (~350k rows each at ~1.1k misses per step), so
+        # its timed steps include write-backs of evicted rows: steady state.
+        steps = Steps(warmup=300, windows=5, window_steps=10)
     if args.steps:
         timed = max(2, args.steps // 3)
         steps = Steps(args.steps - timed, min(5, timed), max(1, timed // min(5, timed)))
@@ -1261,21 +1381,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             init_mmap_files(wl, work / "b_files")
             results["b_files_init_s"] = time.perf_counter() - t0
             print(f"B's files written in {results['b_files_init_s']:.0f} s", flush=True)
-        b_steps = Steps(steps.warmup, steps.windows, args.b_window_steps or steps.window_steps)
+        b_steps = Steps(
+            steps.warmup, steps.windows, args.b_window_steps or max(1, steps.window_steps // 2)
+        )
         for budget in args.budgets:
             cap = int(budget * wl.embedding_bytes) + overhead + margin
             pair: dict[str, Any] = {"cap_bytes": cap if capped else None}
-            for variant in ("B", "B_plain", "ours"):
-                if variant not in variants:
+            extra = any(math.isclose(budget, b) for b in args.extra_budgets)
+            for variant in ("B", "B_plain", "ours", "ours_1f"):
+                if variant not in variants or (variant in EXTRA_VARIANTS and not extra):
                     continue
-                if variant == "B_plain":
-                    if not any(math.isclose(budget, b) for b in args.b_plain_budgets):
-                        continue
-                    pair[variant] = runner.launch(variant, budget, cap, b_plain_steps)
-                else:
-                    pair[variant] = runner.launch(
-                        variant, budget, cap, b_steps if variant == "B" else None
-                    )
+                which = {"B": b_steps, "B_plain": b_plain_steps}.get(variant)
+                pair[variant] = runner.launch(variant, budget, cap, which)
             results["budgets"][_key(budget)] = pair
         if args.fio and not args.smoke:
             after = run_fio(work, args.fio_seconds, "2G")

@@ -3,7 +3,8 @@
 The app (``python -m apps.dlrm.train``) trains ``conf/model/w2_large.yaml`` (26 Criteo-shaped
 features, 12.2 GiB of tables with their row-wise Adagrad state) inside a memory cgroup capped at
 ``--cap`` (default 4 GiB, so the tables are over 3x the cap): page cache included, so nothing
-can hide in it. The tiered planner places the tables on this host as the cap leaves it: DRAM
+can hide in it. The tiered planner places the tables on this host as the cap leaves it, from an
+access profile of the data (``python -m torchrec_mtrains.profile``, run first, uncapped): DRAM
 for tables and caches limited to ``--dram-budget``, and no byte tier (a memory-mapped byte tier
 would live in the capped page cache); so the big tables go to the block tier (O_DIRECT) behind
 row caches, trained with the look-ahead pipeline. The run evaluates and writes its final
@@ -70,13 +71,41 @@ def smoke_sizes() -> list[int]:
     return [max(4, int(n) // 1000) for n in model["num_embeddings_per_feature"]]
 
 
-def app_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    """The app's command line: every choice explicit, so app defaults do not move the run."""
-    overrides = [
+def data_overrides(args: argparse.Namespace) -> list[str]:
+    """Model and data: the same for the profile and the training run."""
+    out = [
         f"model={args.model}",
         "data=synthetic",
         f"data.batch_size={args.batch_size}",
         "data.zipf_exponents=[1.1]",
+    ]
+    if args.smoke:
+        sizes = ",".join(str(n) for n in smoke_sizes())
+        out.append(f"model.num_embeddings_per_feature=[{sizes}]")
+    return out
+
+
+def profile_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """Profiles the first ``--profile-batches`` batches of the data stream (SHARDS hit-rate
+    curves): what the planner sizes caches from and the hot rows it pins."""
+    return [
+        sys.executable,
+        "-m",
+        "torchrec_mtrains.profile",
+        "--out",
+        str(out),
+        "--max-batches",
+        str(args.profile_batches),
+        "--method",
+        "shards",
+        *data_overrides(args),
+    ]
+
+
+def app_command(args: argparse.Namespace, run_dir: Path, profile: Path | None) -> list[str]:
+    """The app's command line: every choice explicit, so app defaults do not move the run."""
+    overrides = [
+        *data_overrides(args),
         f"run.dir={run_dir}",
         f"run.steps={args.steps}",
         f"run.eval_batches={args.eval_batches}",
@@ -89,9 +118,10 @@ def app_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"planner.dram_budget={args.dram_budget}",
         f"pipeline.lookahead={args.lookahead}",
     ]
+    if profile is not None:
+        overrides.append(f"planner.profile={profile}")
     if args.smoke:
-        sizes = ",".join(str(n) for n in smoke_sizes())
-        overrides += [f"model.num_embeddings_per_feature=[{sizes}]", "planner.min_cache_rows=64"]
+        overrides.append("planner.min_cache_rows=64")
     return [sys.executable, "-m", "apps.dlrm.train", *overrides, *args.override]
 
 
@@ -200,6 +230,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--model", default="w2_large", help="model config (conf/model)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--profile-batches",
+        type=int,
+        default=200,
+        help="profile this many batches first (uncapped, offline) for the planner; 0 = none "
+        "(the planner then assumes uniform access)",
+    )
     parser.add_argument("--eval-batches", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--lookahead", type=int, default=2)
@@ -214,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.eval_batches, args.batch_size = min(args.steps, 6), 2, 128
+        args.profile_batches = min(args.profile_batches, 4)
         args.cap, args.dram_budget = "2GiB", "1MiB"
         args.lookahead = min(args.lookahead, 1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -258,7 +296,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine_start_load": list(os.getloadavg()),
     }
     try:
-        cmd = app_command(args, run_dir)
+        profile: Path | None = None
+        if args.profile_batches > 0:
+            t0 = time.perf_counter()
+            pcmd = profile_command(args, work / "profile")
+            print("$ python " + " ".join(pcmd[1:]), flush=True)
+            subprocess.run(pcmd, cwd=REPO, check=True, capture_output=True, text=True)
+            profile = work / "profile.json"
+            result["profile_s"] = time.perf_counter() - t0
+            result["profile_command"] = " ".join(pcmd[1:])
+        cmd = app_command(args, run_dir, profile)
         result["command"] = " ".join(cmd[1:])
         print("$ python " + result["command"], flush=True)
         log = work / "app.log"
