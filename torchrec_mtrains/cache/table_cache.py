@@ -95,9 +95,13 @@ class TableCache:
         self.pinned = torch.zeros(num_slots, dtype=torch.bool)
         # Reference counts of batches in flight that still need a slot (look-ahead pipeline).
         self.holds = torch.zeros(num_slots, dtype=torch.int32)
-        # pinned | held, kept up to date so the per-batch capacity check is O(batch).
+        # pinned | held, kept up to date (only the slots a call touches) so the per-batch
+        # capacity check and hold/release cost O(batch), not O(cache).
         self._reserved = torch.zeros(num_slots, dtype=torch.bool)
         self._num_reserved = 0
+        # Slots never filled (or emptied by clear()): once the cache is full, planning skips
+        # looking for them.
+        self._num_free = num_slots
         self.stats = CacheStats()
         self._step = 0
 
@@ -128,8 +132,9 @@ class TableCache:
 
         protected = self._reserved.clone()
         protected[slots[hit]] = True
-        free = torch.nonzero(self.slot_to_id < 0).flatten()
+        free = torch.nonzero(self.slot_to_id < 0).flatten() if self._num_free else empty
         load_slots = free[:n_miss]
+        self._num_free -= int(load_slots.numel())
         n_evict = n_miss - int(load_slots.numel())
         if n_evict > 0:
             protected[free] = True
@@ -197,20 +202,27 @@ class TableCache:
         """Protects ``slots`` from eviction until a matching :meth:`release` (rows of batches
         between their forward and backward, or prefetched for a batch not yet run)."""
         self.holds.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-        self._update_reserved()
+        self._update_reserved(slots)
 
     def release(self, slots: torch.Tensor) -> None:
         self.holds.index_add_(0, slots, -torch.ones_like(slots, dtype=torch.int32))
-        self._update_reserved()
+        self._update_reserved(slots)
 
     def pin(self, slots: torch.Tensor) -> None:
         """Makes ``slots`` permanently resident (the profiled hot set)."""
         self.pinned[slots] = True
-        self._update_reserved()
+        self._update_reserved(slots)
 
-    def _update_reserved(self) -> None:
-        torch.logical_or(self.pinned, self.holds > 0, out=self._reserved)
-        self._num_reserved = int(self._reserved.sum())
+    def _update_reserved(self, slots: torch.Tensor | None = None) -> None:
+        """Recomputes ``pinned | held`` on ``slots`` (every slot when ``None``)."""
+        if slots is None:
+            torch.logical_or(self.pinned, self.holds > 0, out=self._reserved)
+            self._num_reserved = int(self._reserved.sum())
+            return
+        slots = torch.unique(slots)  # a repeated slot must count once
+        now = self.pinned[slots] | (self.holds[slots] > 0)
+        self._num_reserved += int(now.sum()) - int(self._reserved[slots].sum())
+        self._reserved[slots] = now
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(ids, slots)`` of every resident row."""
@@ -236,6 +248,7 @@ class TableCache:
         self.pinned.zero_()
         self.holds.zero_()
         self._update_reserved()
+        self._num_free = self.num_slots
         self.policy = make_policy(self.policy.name, self.num_slots)
 
     @property
