@@ -13,7 +13,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed import tiered_tables
+from torchrec_mtrains.distributed.tiered_tables import TableIdError, TieredTableGroup
 
 ROWS = 300
 
@@ -129,6 +130,42 @@ def test_lookahead_needs_room_for_batches_in_flight(tmp_path: Path) -> None:
     assert int(cache.holds.sum()) == 0
 
 
+def test_background_planning_refuses_in_the_forward_and_training_goes_on(tmp_path: Path) -> None:
+    plain = build(tmp_path / "a", "byte_scm")
+    ahead = build(tmp_path / "b", "byte_scm")
+    copy_into(ahead, plain)
+    group = tiered_group(ahead)
+    group.background_io = True
+    cache = group.shards[0].cache
+    data = batches(seed=2, count=40)
+    for kjt in data:  # planned on the worker: prefetching returns at once, even when unfit
+        f = big_features(kjt)
+        group.prefetch(f.values(), f.length_per_key())
+    ran = 0
+    with pytest.raises(CacheTooSmallError, match="held by batches in flight"):
+        for kjt in data:
+            step(ahead, kjt)
+            ran += 1
+    assert 0 < ran < len(data)
+    group.stop_background_io()
+    assert int(cache.holds.sum()) == 0
+    for kjt in data[ran:]:  # the refused batch never ran: train on from it, without look-ahead
+        step(ahead, kjt)
+    for kjt in data:
+        step(plain, kjt)
+    assert_same(full_weights(plain), full_weights(ahead))
+
+
+def test_background_prefetch_checks_ids_at_once(tmp_path: Path) -> None:
+    model = build(tmp_path, "block_scm")
+    group = tiered_group(model)
+    group.background_io = True
+    with pytest.raises(TableIdError, match=rf"table 'big'.*row id {ROWS + 5}\b"):
+        group.prefetch(torch.tensor([1, ROWS + 5]), [2])
+    assert not group._pending
+    assert int(group.shards[0].cache.holds.sum()) == 0
+
+
 def test_hot_rows_stay_resident(tmp_path: Path) -> None:
     hot = list(range(0, 300, 10))
     plain = build(tmp_path / "a", "block_scm")
@@ -161,3 +198,19 @@ def test_flush_between_forward_and_backward_keeps_updates(tmp_path: Path) -> Non
         other.state_dict()  # flushes between forward and backward
         (out.values() * torch.linspace(-1, 1, out.values().shape[1])).sum().backward()
     assert_same(full_weights(plain), full_weights(other))
+
+
+def test_flush_in_chunks_writes_every_dirty_row(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(tiered_tables, "FLUSH_CHUNK_ROWS", 7)
+    model = build(tmp_path, "block_scm")
+    group = tiered_group(model)
+    shard = group.shards[0]
+    for kjt in batches(seed=6, count=10):
+        step(model, kjt)
+    dirty_ids, _ = shard.cache.dirty_rows()
+    assert dirty_ids.numel() > 3 * 7
+    group.flush()
+    assert shard.cache.dirty_rows()[0].numel() == 0
+    ids, slots = shard.cache.resident()
+    on_tier = group.mapped_rows(0)[ids, : shard.cols]
+    assert torch.equal(on_tier, shard.weight_slots[slots].to(on_tier.dtype))

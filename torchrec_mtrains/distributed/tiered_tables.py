@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,8 @@ from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+FLUSH_CHUNK_ROWS = 16384  # rows per call when flush() or a reload moves a whole cache
 
 
 class TableIdError(IndexError):
@@ -116,15 +118,17 @@ class TierIOCounters:
 
 @dataclass
 class _PlannedBatch:
-    """One batch's cache plan: its ids split by table, slots, and the I/O that loads them."""
+    """One batch on its way through the caches: its ids split by table, then (once planned)
+    each table's unique ids' slots, and the work that plans it and moves its rows."""
 
     values: torch.Tensor
     lengths: list[int]
     segments: list[torch.Tensor]
     per_table: list[list[int]]
-    inverses: list[torch.Tensor]
-    plans: list[CachePlan]
-    io: Future[object] | None
+    table_ids: list[torch.Tensor]
+    inverses: list[torch.Tensor] = field(default_factory=list)
+    plans: list[CachePlan] = field(default_factory=list)  # empty until planned
+    io: Future[object] | None = None
 
 
 def _split_states(
@@ -220,6 +224,9 @@ class TieredTableGroup:
         # Written by the I/O worker and read by the training thread.
         self._counters = TierIOCounters()
         self._counters_lock = threading.Lock()
+        # Guards the caches' maps and holds: batches are planned on the I/O worker while the
+        # training thread releases and marks the running batch's slots.
+        self._cache_lock = threading.Lock()
         # Set (by whichever thread ran it) when a row move raised: the cache may then map rows
         # whose read never happened, until stop_background_io() empties it.
         self._io_failed = False
@@ -255,39 +262,53 @@ class TieredTableGroup:
         return segments, per_table, table_ids
 
     def _plan_batch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> _PlannedBatch:
-        """Checks and plans one batch on every table, holds its slots and queues its I/O."""
+        """Checks one batch's ids, then plans it on every table (holding its slots) and moves
+        its rows in. With background I/O both the planning and the I/O run on the worker, so
+        the training thread only checks ids; otherwise everything runs here."""
         self._check_no_reported_error()
         segments, per_table, table_ids = self._split(values, lengths_per_feature)
-        if self._repin:
-            self._repin = False
-            for index, ids in self._hot_rows.items():
-                self._pin(index, ids)
-        uniques = [torch.unique(t, return_inverse=True) for t in table_ids]
-        # Every table must fit before any is planned: planning updates a cache's maps.
-        for shard, (uniq, _) in zip(self.shards, uniques):
-            shard.cache.check_fits(uniq)
-        plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
-        for shard, plan in zip(self.shards, plans):
-            shard.cache.hold(plan.slots)
-        with self._counters_lock:
-            self._counters.rows_fetched += sum(int(p.load_ids.numel()) for p in plans)
-            self._counters.rows_written_back += sum(int(p.evict_dirty.sum()) for p in plans)
-        batch = _PlannedBatch(
-            values=values,
-            lengths=list(lengths_per_feature),
-            segments=segments,
-            per_table=per_table,
-            inverses=[inverse for _, inverse in uniques],
-            plans=plans,
-            io=None,
-        )
+        batch = _PlannedBatch(values, list(lengths_per_feature), segments, per_table, table_ids)
+        if self._background_io:
+            batch.io = self._worker().submit(self._plan_and_move, batch)
+            return batch
+        self._plan(batch)  # a batch that cannot fit raises here, before anything moves
+        started = time.perf_counter()
         try:
-            batch.io = self._submit(lambda: self._move_rows(list(zip(self.shards, plans))))
+            self._move_rows(list(zip(self.shards, batch.plans)))
         except BaseException as e:
             self._release(batch)  # its rows never arrived: the batch does not run
             self._io_error_reported |= isinstance(e, Exception)
             raise
+        finally:
+            self._add_stall(time.perf_counter() - started)
         return batch
+
+    def _plan(self, batch: _PlannedBatch) -> None:
+        """Assigns the batch's unique ids slots on every table and holds them; refuses (changing
+        nothing) when any table's cache cannot take the batch."""
+        if self._repin:
+            self._repin = False
+            for index, ids in self._hot_rows.items():
+                self._pin(index, ids, inline=True)
+        uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
+        with self._cache_lock:
+            # Every table must fit before any is planned: planning updates a cache's maps.
+            for shard, (uniq, _) in zip(self.shards, uniques):
+                shard.cache.check_fits(uniq)
+            plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
+            for shard, plan in zip(self.shards, plans):
+                shard.cache.hold(plan.slots)
+        batch.inverses = [inverse for _, inverse in uniques]
+        batch.plans = plans
+        with self._counters_lock:
+            self._counters.rows_fetched += sum(int(p.load_ids.numel()) for p in plans)
+            self._counters.rows_written_back += sum(int(p.evict_dirty.sum()) for p in plans)
+
+    def _plan_and_move(self, batch: _PlannedBatch) -> None:
+        """The worker's part of a prefetch: plan, then write back and read (in FIFO order with
+        every other batch's, so a row written back is on its tier before it is read again)."""
+        self._plan(batch)
+        self._move_rows(list(zip(self.shards, batch.plans)))
 
     def _check_no_reported_error(self) -> None:
         if self._io_error_reported:
@@ -301,8 +322,10 @@ class TieredTableGroup:
         background (cDLRM's look-ahead). Its rows stay resident until the batch has run; the
         forward that presents the same ids uses them without waiting for the tier.
 
-        Prefetches are consumed in order; I/O runs on one worker thread, in submission order,
-        so a row written back is always on the tier before it can be read again."""
+        Prefetches are consumed in order. Ids are checked here (a bad id raises now); planning
+        and I/O run on one worker thread, in submission order, so a row written back is always
+        on the tier before it can be read again, and a batch that does not fit the cache
+        raises in its own forward."""
         self._pending.append(self._plan_batch(values, lengths_per_feature))
 
     def remap(
@@ -338,12 +361,12 @@ class TieredTableGroup:
             self._add_stall(time.perf_counter() - started)
         self._in_flight = batch
         self._awaiting_backward = train
+        if train:
+            with self._cache_lock:
+                for shard, plan in zip(self.shards, batch.plans):
+                    shard.cache.mark_dirty(plan.slots)
         out_segments: list[torch.Tensor] = list(batch.segments)
-        for shard, plan, inverse, features in zip(
-            self.shards, batch.plans, batch.inverses, batch.per_table
-        ):
-            if train:
-                shard.cache.mark_dirty(plan.slots)
+        for plan, inverse, features in zip(batch.plans, batch.inverses, batch.per_table):
             slots = plan.slots[inverse]
             for f, part in zip(
                 features, torch.split(slots, [lengths_per_feature[f] for f in features])
@@ -372,17 +395,10 @@ class TieredTableGroup:
             return None
         return self._pending.popleft()
 
-    def _submit(self, work: Callable[[], object]) -> Future[object] | None:
-        if not self._background_io:
-            started = time.perf_counter()
-            try:
-                work()
-            finally:
-                self._add_stall(time.perf_counter() - started)
-            return None
+    def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtrains-tier-io")
-        return self._executor.submit(work)
+        return self._executor
 
     @staticmethod
     def _wait(batch: _PlannedBatch) -> None:
@@ -390,8 +406,9 @@ class TieredTableGroup:
             batch.io.result()  # re-raises a worker exception with its traceback
 
     def _release(self, batch: _PlannedBatch) -> None:
-        for shard, plan in zip(self.shards, batch.plans):
-            shard.cache.release(plan.slots)
+        with self._cache_lock:  # (a batch whose planning failed holds nothing)
+            for shard, plan in zip(self.shards, batch.plans):
+                shard.cache.release(plan.slots)
 
     def _release_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -417,8 +434,7 @@ class TieredTableGroup:
         while self._pending:
             batch = self._pending.popleft()
             self._wait(batch)
-            for shard, plan in zip(self.shards, batch.plans):
-                shard.cache.release(plan.slots)
+            self._release(batch)
 
     @property
     def background_io(self) -> bool:
@@ -466,6 +482,9 @@ class TieredTableGroup:
                 shard.cache.clear()
             self._repin = bool(self._hot_rows)
             logger.warning("tier I/O failed: dirty rows written back, caches emptied")
+        # Whatever failed (I/O, or planning a batch that did not fit) is dealt with: the caches
+        # hold only rows that arrived, and nothing is held for batches that will not run.
+        self._io_error_reported = False
         return error
 
     @torch.no_grad()
@@ -526,9 +545,12 @@ class TieredTableGroup:
         self.drain()
         for i, shard in enumerate(self.shards):
             ids, slots = shard.cache.dirty_rows()
-            if ids.numel():
-                shard.store.write_rows(ids.numpy(), self._gather(shard, slots))
-                shard.cache.mark_clean(slots)
+            # In chunks: a copy of every dirty row at once could be as large as the cache, and
+            # the flush at the end of a run must fit the memory training fitted in.
+            for start in range(0, int(ids.numel()), FLUSH_CHUNK_ROWS):
+                part = slice(start, start + FLUSH_CHUNK_ROWS)
+                shard.store.write_rows(ids[part].numpy(), self._gather(shard, slots[part]))
+                shard.cache.mark_clean(slots[part])
             if keep_in_flight_dirty and self._in_flight is not None and self._awaiting_backward:
                 # The running batch's backward has yet to update its rows.
                 shard.cache.mark_dirty(self._in_flight.plans[i].slots)
@@ -555,18 +577,23 @@ class TieredTableGroup:
         """Re-reads the optimizer state of every cached row from its tier, keeping the cached
         weights (which may be newer than the tier's): used after a checkpoint load wrote the
         optimizer state to the tiers directly."""
+        self.drain()  # no batch is being planned meanwhile
         for shard in self.shards:
-            ids, slots = shard.cache.resident()
-            if not shard.state_slots or not ids.numel():
+            resident_ids, resident_slots = shard.cache.resident()
+            if not shard.state_slots:
                 continue
-            rows = torch.from_numpy(shard.store.read_rows(ids.numpy()))
-            dev_slots = slots.to(shard.weight_slots.device)
-            start = shard.cols
-            for view in shard.state_slots:
-                width = view.shape[1]
-                part = rows[:, start : start + width].to(view.device, view.dtype)
-                view.index_copy_(0, dev_slots, part)
-                start += width
+            for first in range(0, int(resident_ids.numel()), FLUSH_CHUNK_ROWS):
+                ids = resident_ids[first : first + FLUSH_CHUNK_ROWS]
+                rows = torch.from_numpy(shard.store.read_rows(ids.numpy()))
+                dev_slots = resident_slots[first : first + FLUSH_CHUNK_ROWS].to(
+                    shard.weight_slots.device
+                )
+                start = shard.cols
+                for view in shard.state_slots:
+                    width = view.shape[1]
+                    part = rows[:, start : start + width].to(view.device, view.dtype)
+                    view.index_copy_(0, dev_slots, part)
+                    start += width
 
     def purge(self) -> None:
         """Writes dirty rows back, then empties the caches, so the next batch reads every row
@@ -654,14 +681,19 @@ class TieredTableGroup:
         self._hot_rows[index] = ids
         self._pin(index, ids)
 
-    def _pin(self, index: int, ids: torch.Tensor) -> None:
+    def _pin(self, index: int, ids: torch.Tensor, inline: bool = False) -> None:
+        """Loads ``ids`` and pins them: on this thread when ``inline`` (the worker itself, or no
+        background I/O), else on the worker, after the I/O queued before it."""
         shard = self.shards[index]
-        shard.cache.check_fits(ids)
-        plan = shard.cache.plan(ids, count_stats=False)
-        io = self._submit(lambda: self.apply(shard, plan))  # in order with queued tier I/O
-        if io is not None:
-            io.result()
-        shard.cache.pin(plan.slots)
+        with self._cache_lock:
+            shard.cache.check_fits(ids)
+            plan = shard.cache.plan(ids, count_stats=False)
+        if inline or not self._background_io:
+            self.apply(shard, plan)
+        else:
+            self._worker().submit(self.apply, shard, plan).result()
+        with self._cache_lock:
+            shard.cache.pin(plan.slots)
 
     def close(self) -> None:
         self.cancel_prefetches()
