@@ -203,7 +203,9 @@ def test_engines_move_blocks_and_report_errors(tmp_path: Path, engine_cls: type)
         offsets = np.array([15, 2, 7, 8], dtype=np.int64) * 4096
         lengths = np.array([4096, 4096, 8192, 4096], dtype=np.int64)
         slots = np.array([0, 1, 2, 4], dtype=np.int64) * 4096
-        assert engine.run(fd, False, buf, slots, offsets, lengths) >= 4
+        calls = engine.run(fd, False, buf, slots, offsets, lengths)
+        # AIO submits the four at once and reaps them; threads make one syscall per I/O.
+        assert calls >= (2 if engine_cls is AioEngine else 4)
         for slot, off, n in zip(slots, offsets, lengths):
             np.testing.assert_array_equal(buf.array[slot : slot + n], data[off : off + n])
         buf.array[:4096] = 9

@@ -272,28 +272,34 @@ class AioEngine(IOEngine):
 
     def _drive(self, ctx: int, n: int, pointers: int, events: int) -> int:
         call, submit, getevents, depth = self._call, self._nr_submit, self._nr_getevents, self.depth
+        # Refill the queue in batches: each io_submit hands the kernel every free queue slot,
+        # and each io_getevents waits for a quarter of the queue. Python then runs once per
+        # ~depth/4 I/Os instead of twice per I/O, which matters more than the last few percent
+        # of device IOPS: this loop shares the GIL (and, on small hosts, the cores) with
+        # training, and a syscall per I/O cost the training thread tens of ms per step.
+        reap = max(1, depth // 4)
         submitted = completed = calls = 0
         while completed < n:
-            # One iocb per io_submit: measured faster than batched submits on the virtio disk
-            # of our CI machine (~65k vs ~55k reads/s at depth 32), as the kernel then
-            # dispatches each request at once instead of plugging the batch.
-            while submitted < n and submitted - completed < depth:
+            room = min(depth - (submitted - completed), n - submitted)
+            if room > 0:
                 calls += 1
-                if call(submit, ctx, 1, pointers + submitted * 8, 0, 0, 0) == 1:
-                    submitted += 1
-                    continue
-                err = ctypes.get_errno()
-                if err == errno.EINTR:
-                    continue
-                if err == errno.EAGAIN and submitted > completed:
-                    break  # kernel queue full: reap first
-                raise OSError(err, f"io_submit: {os.strerror(err)}")
+                done = call(submit, ctx, room, pointers + submitted * 8, 0, 0, 0)
+                if done > 0:
+                    submitted += done
+                else:
+                    err = ctypes.get_errno()
+                    if err == errno.EINTR:
+                        continue
+                    if not (err == errno.EAGAIN and submitted > completed):
+                        raise OSError(err, f"io_submit: {os.strerror(err)}")
+                    # kernel queue full: reap first
+            in_flight = submitted - completed
             calls += 1
             got = call(
                 getevents,
                 ctx,
-                1,
-                submitted - completed,
+                min(reap, in_flight),
+                in_flight,
                 events + completed * _EVENT.itemsize,
                 0,
                 0,
