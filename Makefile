@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/dev.txt
 install: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m apps.dlrm.train $(ARGS)
+	THP_MEM_ALLOC_ENABLE=1 $(PY) -m apps.dlrm.train $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -141,6 +141,7 @@ def run_capped(
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 preexec_fn=cg.join_self if cg is not None else None,
+                env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"},  # as `make train` runs it
             )
             try:
                 _, status, usage = os.wait4(proc.pid, 0)

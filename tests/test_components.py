@@ -81,6 +81,13 @@ def test_non_override_script_args_are_rejected(arg: str) -> None:
         dlrm(arg)
 
 
+def test_ranks_get_huge_pages_for_tensors_unless_env_says_otherwise() -> None:
+    assert dlrm().roles[0].env["THP_MEM_ALLOC_ENABLE"] == "1"
+    role = dlrm(env={"THP_MEM_ALLOC_ENABLE": "0", "LOGLEVEL": "INFO"}).roles[0]
+    assert role.env["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert role.env["LOGLEVEL"] == "INFO"
+
+
 def test_hydra_flags_with_values_are_allowed() -> None:
     assert "--cfg job" in command(dlrm("--cfg", "job", "run.steps=1"))
 

@@ -59,6 +59,11 @@ def _has_override(overrides: List[str], key: str) -> bool:
     return any(re.match(rf"^(\+\+|\+)?{re.escape(key)}=", arg) for arg in overrides)
 
 
+# PyTorch backs large CPU tensors with transparent huge pages: a step allocates hundreds of MiB
+# of activations and gradients afresh, and faulting them in 4 KiB at a time costs tens of ms.
+DEFAULT_ENV: Dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def dlrm(
     *script_args: str,
     nnodes: int = 1,
@@ -87,7 +92,8 @@ def dlrm(
         cpu: number of CPUs per node
         memMB: host memory per node in MB
         h: a registered named resource (takes precedence over cpu and memMB)
-        env: extra environment variables, e.g. OMP_NUM_THREADS=1,LOGLEVEL=INFO
+        env: extra environment variables, e.g. OMP_NUM_THREADS=1,LOGLEVEL=INFO; ranks get
+            THP_MEM_ALLOC_ENABLE=1 (huge pages for large tensors) unless env sets it
         max_retries: the number of scheduler retries allowed
         rdzv_port: port on the rank 0 host for the c10d rendezvous (multi-node only)
         debug: whether to run with torch's distributed debug flags enabled
@@ -128,7 +134,7 @@ def dlrm(
         cpu=cpu,
         memMB=memMB,
         j=f"{nnodes}x{nproc_per_node}",
-        env=dict(env) if env else {},
+        env={**DEFAULT_ENV, **(env or {})},
         max_retries=max_retries,
         rdzv_port=rdzv_port,
         debug=debug,
