@@ -1,5 +1,6 @@
 """Proposes placements: fastest first, then the cheapest demotions until the tiers fit, then
-splits of the busiest rank's heaviest table while they shorten the step.
+demotions that shorten the step, then splits of the busiest rank's heaviest table while they
+shorten the step.
 
 TorchRec's proposers search combinations of options rated by its estimators; with five
 placements per table, continuous cache sizes and capacities TorchRec's ``Storage`` cannot hold,
@@ -10,8 +11,13 @@ a greedy walk over our own estimates is both cheaper and explainable:
    ranks and move one table to a slower placement that frees bytes there, the one losing the
    least step time per byte freed (e.g. a large, rarely read table goes from DRAM to block SCM
    before a hot one leaves HBM);
-3. once a plan fits, try the split (row- or column-wise) of the heaviest table-wise table on
-   the slowest rank; keep it if the plan's step time drops, up to ``balance_rounds`` times.
+3. once a plan fits, try demoting each table further (largest on the most pressed tier
+   first) and keep a demotion when the rated step time drops: the bytes it frees grow the
+   other tables' caches (the partitioner sizes them), so a plan that keeps fewer tables whole
+   in DRAM can be faster. The first fitting plan stops at the first table that makes the
+   tiers fit, which with more DRAM can leave the remaining big tables with tiny caches;
+4. then try the split (row- or column-wise) of the heaviest table-wise table on the slowest
+   rank; keep it if the plan's step time drops, up to ``balance_rounds`` times.
 
 TorchRec's planner keeps the best-rated plan of all that partitioned.
 """
@@ -52,7 +58,8 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
         self._choice: dict[str, int] = {}
         self._pending = False
         self._done = True
-        self._balancing = False
+        self._phase = "fit"  # then "improve", then "balance"
+        self._queue: list[str] = []
         self._rounds = 0
         self._best: float | None = None
         self._best_plan: list[ShardingOption] | None = None
@@ -123,6 +130,50 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
                     return True
         return False
 
+    def _cheapest_demotion(self, table: str) -> int | None:
+        """The slower placement of ``table`` that frees bytes on the most pressed tier it
+        uses at the least step time per byte (fitting a rank), or None."""
+        options = self._options[table]
+        cur = options[self._choice[table]]
+        for tier in self._pressure():
+            cur_bytes = cur.total_demand().get(tier, 0)
+            if cur_bytes == 0:
+                continue
+            best: tuple[float, int] | None = None
+            for k in range(self._choice[table] + 1, len(options)):
+                alt = options[k]
+                freed = cur_bytes - alt.total_demand().get(tier, 0)
+                if freed <= 0 or not self._shards_fit(alt):
+                    continue
+                cost = max(0.0, self._time(alt) - self._time(cur)) / freed
+                if best is None or cost < best[0]:
+                    best = (cost, k)
+            if best is not None:
+                return best[1]
+        return None
+
+    def _improvement_order(self) -> list[str]:
+        """Tables by their bytes on the most pressed tier, largest first."""
+        pressed = self._pressure()
+        if not pressed:
+            return []
+        tier = pressed[0]
+        demand = {
+            t: self._current()[i].total_demand().get(tier, 0) for i, t in enumerate(self._tables)
+        }
+        return sorted((t for t in self._tables if demand[t] > 0), key=lambda t: -demand[t])
+
+    def _next_improvement(self) -> bool:
+        """Demotes the next queued table (see step 3); False when the queue is used up."""
+        while self._queue:
+            table = self._queue.pop(0)
+            k = self._cheapest_demotion(table)
+            if k is not None:
+                self._last_move = (table, self._choice[table])
+                self._choice[table] = k
+                return True
+        return False
+
     def _balance_move(self, plan: list[ShardingOption]) -> bool:
         """Switches the heaviest table-wise table of the slowest rank to its split."""
         if self._rounds >= self.context.config.balance_rounds:
@@ -175,7 +226,8 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
             self._choice[table] = fitting[0] if fitting else 0
         self._pending = True
         self._done = not self._tables
-        self._balancing = False
+        self._phase = "fit"
+        self._queue = []
         self._rounds = 0
         self._best = None
         self._best_plan = None
@@ -195,26 +247,33 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
         perf_rating: float | None = None,
         storage_constraint: Topology | None = None,
     ) -> None:
-        if not self._balancing:
-            if partitionable:
-                self._balancing = True
-                self._best, self._best_plan = perf_rating, plan
-            elif not self._demote():
-                self._done = True
+        if self._phase == "fit":
+            if not partitionable:
+                if self._demote():
+                    self._pending = True
+                else:
+                    self._done = True
                 return
-            if not self._balancing:
-                self._pending = True
-                return
+            self._best, self._best_plan = perf_rating, plan
+            self._phase = "improve"
+            self._queue = self._improvement_order()
         elif (
             partitionable
             and perf_rating is not None
             and (self._best is None or perf_rating < self._best)
         ):
             self._best, self._best_plan = perf_rating, plan
-        elif self._last_move is not None:  # the split did not help (or did not fit): undo it
+            if self._phase == "improve" and self._last_move is not None:
+                self._queue.append(self._last_move[0])  # it may go one placement further
+        elif self._last_move is not None:  # the move did not help (or did not fit): undo it
             table, k = self._last_move
             self._choice[table] = k
         self._last_move = None
+        if self._phase == "improve":
+            if self._next_improvement():
+                self._pending = True
+                return
+            self._phase = "balance"
         if self._best_plan is not None and self._balance_move(self._best_plan):
             self._pending = True
         else:
