@@ -143,10 +143,65 @@ class _TieredShardedMixin:
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
         self._register_tiered_state()
+        self._chunk_other_tables()
         if not skip_registering:
             self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
                 _tiered_load_hook, with_module=True
             )
+            # Before TorchRec's own hook, which would concatenate the chunks into a copy.
+            handle = self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
+                _chunked_tables_load_hook, with_module=True
+            )
+            hooks = self._load_state_dict_pre_hooks  # type: ignore[attr-defined]
+            hooks.move_to_end(handle.id, last=False)
+
+    def _chunk_other_tables(self) -> None:
+        """Row chunks in the state dict for this module's other tables too (TorchRec's own
+        DRAM/HBM kernels). Their weights are views into their kernel's one flat buffer, and a
+        checkpoint writer clones a view that does not own its storage: a table of several GiB
+        would be copied whole at once. Only tables whose every shard spans all columns, one
+        per rank (table- or row-wise), so a rank's chunks are consecutive rows of one shard."""
+        chunk = self._tier_storage.checkpoint_chunk_rows
+        tiered = set(self._tiered_table_names())
+        originals: dict[str, ShardedTensor] = {}
+        for name, tensor in list(self._model_parallel_name_to_sharded_tensor.items()):
+            if name in tiered or not isinstance(tensor, ShardedTensor):
+                continue
+            md = tensor.metadata()
+            placements = [str(s.placement) for s in md.shards_metadata]
+            if (
+                len(md.size) != 2
+                or any(s.shard_sizes[1] != md.size[1] for s in md.shards_metadata)
+                or len(set(placements)) != len(placements)
+                or all(s.shard_sizes[0] <= chunk for s in md.shards_metadata)
+            ):
+                continue
+            self._model_parallel_name_to_sharded_tensor[name] = chunk_sharded_tensor(
+                tensor, chunk, self._env.process_group
+            )
+            originals[name] = tensor
+        self.__dict__["_unchunked_tables"] = originals
+
+    def _load_chunked_tables(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Copies chunked (non-tiered) tables from ``state_dict`` chunk by chunk (nothing when
+        they are this module's own views, as after ``dcp.load`` into its state dict), then
+        hands TorchRec the table as it built it (one local shard, viewing the kernel), which
+        it copies onto itself: given the chunks it would concatenate them into a copy."""
+        for name, original in self.__dict__.get("_unchunked_tables", {}).items():
+            key = f"{prefix}{self._tables_attr}.{name}.weight"
+            value = state_dict.get(key)
+            if not isinstance(value, ShardedTensor):
+                continue
+            mine = self._model_parallel_name_to_sharded_tensor[name].local_shards()
+            theirs = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+            if not mine or set(theirs) != {tuple(s.metadata.shard_offsets) for s in mine}:
+                continue  # another layout: TorchRec's hook handles it
+            with torch.no_grad():
+                for shard in mine:
+                    src = theirs[tuple(shard.metadata.shard_offsets)]
+                    if src.data_ptr() != shard.tensor.data_ptr():
+                        shard.tensor.copy_(src)
+            state_dict[key] = original
 
     def reset_parameters(self) -> None:
         device = getattr(self, "_device", None)
@@ -416,6 +471,12 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
             if self.enable_embedding_update and sharding.enable_embedding_update:
                 self._updates.append(sharding.create_update(lookup))
             self._lookups.append(lookup)
+
+
+def _chunked_tables_load_hook(
+    module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    module._load_chunked_tables(state_dict, prefix)
 
 
 def _tiered_load_hook(
