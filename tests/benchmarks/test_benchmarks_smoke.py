@@ -71,6 +71,12 @@ def test_w1_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ours/A" in done.stdout and "A (FUSED, all DRAM, no cap)" in done.stdout
     assert not list(tmp_path.glob("w1_bench_*"))  # work files removed
+    assert row["ours_blocks_per_step"] > 0  # the block I/O ours' steps needed
+    # An earlier run's summary and plot are recomputed from its JSON alone.
+    again = tmp_path / "again.json"
+    _run("w1_bench.py", "--render", str(out), "--out", str(again))
+    assert json.loads(again.read_text())["summary"] == r["summary"]
+    assert again.with_suffix(".png").exists()
 
 
 def test_w2_smoke(tmp_path: Path) -> None:
