@@ -1367,14 +1367,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.out is None:
         parser.error("--out is required")
     if args.render is not None:
-        results = json.loads(args.render.read_text())
-        results["summary"] = summarize(results)
-        print_summary(results)
-        write_json(args.out, results)
-        png = args.png or args.out.with_suffix(".png")
-        plot(results, png)
-        print(f"wrote {args.out} and {png}")
-        return results
+        return report(json.loads(args.render.read_text()), args)
     # A plain kill still runs the cleanup (cgroups, 8+ GiB of tier files).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wl = Workload.smoke() if args.smoke else Workload.full(args.scale, args.batch_size)
@@ -1499,6 +1492,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["machine"] = machine_info()
+    return report(results, args)
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Summarizes, prints, and writes the JSON (``--out``) and the plot (``--png``)."""
     results["summary"] = summarize(results)
     print_summary(results)
     write_json(args.out, results)
