@@ -38,7 +38,7 @@ freshly allocated activations and gradients, in A as in the others.
 
 Example::
 
-    python benchmarks/w1_bench.py --out results/w1.json                 # full size (~25 min)
+    python benchmarks/w1_bench.py --out results/w1.json                 # full size (~40 min)
     python benchmarks/w1_bench.py --budgets 0.15 --out /tmp/w1.json     # one budget
     python benchmarks/w1_bench.py --smoke --out /tmp/w1_smoke.json      # seconds; the tests
 """

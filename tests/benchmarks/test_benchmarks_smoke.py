@@ -89,6 +89,7 @@ def test_w2_smoke(tmp_path: Path) -> None:
     assert any(t["tier_bytes_read"] > 0 for t in m["tables"].values())  # tables on a tier
     assert "block_scm" in r["plan"] and "byte_scm " not in r["plan"]
     assert r["app"]["peak_rss_bytes"] > 0 and r["table_bytes"] > 0
+    assert 0 < r["app"]["peak_anon_bytes"] <= r["app"]["peak_rss_bytes"]
     if r["capped"]:
         assert r["app"]["cgroup_peak_bytes"] <= r["cap_bytes"]
         assert r["summary"]["cgroup_peak_under_cap"]
