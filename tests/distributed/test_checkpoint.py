@@ -251,6 +251,22 @@ class _PeakAnon:
         return self.peak - self.base
 
 
+def _dcp_round_trip(
+    src: DistributedModelParallel, dst: DistributedModelParallel, path: Path
+) -> tuple[_PeakAnon, _PeakAnon]:
+    """Saves ``src`` with DCP and loads it into ``dst``; returns the memory each side took."""
+    state = {"model": src.state_dict(), "optim": src.fused_optimizer.state_dict()}
+    with _PeakAnon() as save_mem:
+        dcp.save(state, checkpoint_id=path)
+    del state
+    state = {"model": dst.state_dict(), "optim": dst.fused_optimizer.state_dict()}
+    with _PeakAnon() as load_mem:
+        dcp.load(state, checkpoint_id=path)
+        dst.load_state_dict(state["model"])
+        dst.fused_optimizer.load_state_dict(state["optim"])
+    return save_mem, load_mem
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc RssAnon")
 def test_checkpoint_memory_is_bounded_by_chunks(tmp_path: Path) -> None:
     rows, dim, chunk = 200_000, 64, 8_192
@@ -259,17 +275,8 @@ def test_checkpoint_memory_is_bounded_by_chunks(tmp_path: Path) -> None:
     chunk_bytes = chunk * (dim + 1) * 4  # 2.1 MB
     model = build(tmp_path / "a", "block_scm", tables=tables, chunk_rows=chunk)
     train(model, 3, seed=1, rows=rows)
-    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-    with _PeakAnon() as save_mem:
-        dcp.save(state, checkpoint_id=tmp_path / "ckpt")
-    del state
-
     other = build(tmp_path / "b", "block_scm", tables=tables, chunk_rows=chunk)
-    state = {"model": other.state_dict(), "optim": other.fused_optimizer.state_dict()}
-    with _PeakAnon() as load_mem:
-        dcp.load(state, checkpoint_id=tmp_path / "ckpt")
-        other.load_state_dict(state["model"])
-        other.fused_optimizer.load_state_dict(state["optim"])
+    save_mem, load_mem = _dcp_round_trip(model, other, tmp_path / "ckpt")
     bound = 6 * chunk_bytes
     print(
         f"checkpoint peak extra anon memory: save {save_mem.extra / 2**20:.1f} MB, "
@@ -299,16 +306,8 @@ def test_dram_tables_beside_tiered_ones_checkpoint_in_chunks(tmp_path: Path) -> 
     assert isinstance(weight, ShardedTensor)
     assert max(s.metadata.shard_sizes[0] for s in weight.local_shards()) == chunk
     train(model, 3, seed=1)
-    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-    with _PeakAnon() as save_mem:
-        dcp.save(state, checkpoint_id=tmp_path / "ckpt")
-    del state
     other = build(tmp_path / "b", "block_scm", tables=tables, chunk_rows=chunk)
-    state = {"model": other.state_dict(), "optim": other.fused_optimizer.state_dict()}
-    with _PeakAnon() as load_mem:
-        dcp.load(state, checkpoint_id=tmp_path / "ckpt")
-        other.load_state_dict(state["model"])
-        other.fused_optimizer.load_state_dict(state["optim"])
+    save_mem, load_mem = _dcp_round_trip(model, other, tmp_path / "ckpt")
     bound = 6 * chunk_bytes
     assert save_mem.extra < bound < table_bytes / 4, (save_mem.extra, bound, table_bytes)
     assert load_mem.extra < bound, (load_mem.extra, bound, table_bytes)
