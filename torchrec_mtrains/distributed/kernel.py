@@ -9,6 +9,7 @@ run unchanged on the slots, so updates match TorchRec's FUSED kernel row for row
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any, cast
@@ -34,7 +35,12 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
-from torchrec_mtrains.distributed.sharded_state import alias_registry, swap_aliases
+from torchrec_mtrains.distributed.sharded_state import (
+    alias_registry,
+    all_on_host,
+    on_host,
+    swap_aliases,
+)
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -82,6 +88,22 @@ def _rank(pg: dist.ProcessGroup | None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
+
+
+def _placed_on_host(config: GroupedEmbeddingConfig) -> GroupedEmbeddingConfig:
+    """``config`` with its tables' shard placements moved to the host: the optimizer's
+    ShardedTensors wrap tier views, which live there whatever device holds the cache."""
+    tables = [
+        dataclasses.replace(
+            table,
+            local_metadata=None if table.local_metadata is None else on_host(table.local_metadata),
+            global_metadata=None
+            if table.global_metadata is None
+            else all_on_host(table.global_metadata),
+        )
+        for table in config.embedding_tables
+    ]
+    return dataclasses.replace(config, embedding_tables=tables)
 
 
 class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
@@ -156,7 +178,7 @@ class _TieredKernelMixin:
             registry.update(more)
             states.append(dict(zip(views.keys(), aliases)))
         self._optim = _TierBackedFusedOptimizer(
-            config,
+            _placed_on_host(config),
             self._emb_module,
             pg,
             embedding_weights_by_table=weights,

@@ -34,7 +34,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
 from torchrec_mtrains.distributed.options import TIERED_KERNEL, TierStorage
-from torchrec_mtrains.distributed.sharded_state import chunk_sharded_tensor, init_sharded_tensor
+from torchrec_mtrains.distributed.sharded_state import (
+    TIER_DEVICE,
+    all_on_host,
+    chunk_sharded_tensor,
+    init_sharded_tensor,
+)
 from torchrec_mtrains.distributed.tiered_tables import (
     TableIdError,
     TieredTableGroup,
@@ -279,14 +284,16 @@ class _TieredShardedMixin:
         configs = self._config_by_name()
         for name in self._tiered_table_names():
             local = [
-                Shard(group.weight_view(i), _local_metadata(group, i, shard))
+                Shard(group.weight_view(i), _local_metadata(shard))
                 for group, i, shard in self._tiered_shards(name)
             ]
             spec = self.module_sharding_plan[name].sharding_spec
             config = configs[name]
-            global_md = spec.build_metadata(
-                tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
-                tensor_properties=TensorProperties(dtype=data_type_to_dtype(config.data_type)),
+            global_md = all_on_host(
+                spec.build_metadata(
+                    tensor_sizes=torch.Size([config.num_embeddings, config.embedding_dim]),
+                    tensor_properties=TensorProperties(dtype=data_type_to_dtype(config.data_type)),
+                )
             )
             whole = init_sharded_tensor(local, global_md, pg)
             self._model_parallel_name_to_sharded_tensor[name] = chunk_sharded_tensor(
@@ -369,14 +376,14 @@ class _TieredShardedMixin:
             group.flush()
 
 
-def _local_metadata(group: TieredTableGroup, index: int, shard: TieredTableShard) -> ShardMetadata:
+def _local_metadata(shard: TieredTableShard) -> ShardMetadata:
+    """This rank's shard of a tiered table, placed where its rows are (the host), not where
+    its cache is (see :data:`TIER_DEVICE`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return ShardMetadata(
         shard_offsets=[shard.row_offset, shard.col_offset],
         shard_sizes=[shard.local_rows, shard.cols],
-        placement=f"rank:{rank}/cpu"
-        if group.shards[index].weight_slots.device.type == "cpu"
-        else f"rank:{rank}/{group.shards[index].weight_slots.device}",
+        placement=f"rank:{rank}/{TIER_DEVICE}",
     )
 
 

@@ -16,6 +16,35 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.distributed.remote_device import _remote_device
+
+TIER_DEVICE = "cpu"
+"""Where tier-backed tensors live, whatever device computes: a tier's rows (and the views that
+checkpoints and optimizer state expose of them) are host memory or files, never HBM. Their
+ShardedTensor metadata must say so, or ShardedTensor refuses the shards when the plan's device
+is ``cuda``; it also makes a checkpoint of a tiered table independent of the compute device."""
+
+
+def on_host(md: ShardMetadata) -> ShardMetadata:
+    """``md`` with its placement moved to :data:`TIER_DEVICE` on the same rank."""
+    placement = md.placement
+    rank = placement.rank() if placement is not None else None
+    if rank is None:
+        raise ValueError(f"shard at {md.shard_offsets} has no rank in its placement {placement}")
+    return ShardMetadata(
+        shard_offsets=list(md.shard_offsets),
+        shard_sizes=list(md.shard_sizes),
+        placement=_remote_device(f"rank:{rank}/{TIER_DEVICE}"),
+    )
+
+
+def all_on_host(md: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """``md`` with every shard (this rank's and the others') placed on :data:`TIER_DEVICE`."""
+    return ShardedTensorMetadata(
+        shards_metadata=[on_host(s) for s in md.shards_metadata],
+        size=md.size,
+        tensor_properties=md.tensor_properties,
+    )
 
 
 def contiguous_alias(tensor: torch.Tensor) -> torch.Tensor:
