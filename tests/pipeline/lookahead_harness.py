@@ -215,10 +215,12 @@ def train_pipelined(
     data: Sequence[Batch] | Iterator[Batch],
     depth: int,
     on_step: Callable[[LookaheadTrainPipeline[Batch, Any]], None] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[list[float], LookaheadTrainPipeline[Batch, Any]]:
-    """Runs the pipeline until the data ends; returns the losses and the (closed) pipeline."""
+    """Runs the pipeline until the data ends; returns the losses and the (closed) pipeline.
+    Batches stay where they are: the pipeline copies them to ``device`` (CPU by default)."""
     pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
-        model, optimizer, torch.device("cpu"), lookahead=depth
+        model, optimizer, device or torch.device("cpu"), lookahead=depth
     )
     it = iter(data)
     losses = []

@@ -4,7 +4,6 @@ resident and never stale, per-step numbers, worker errors and Ctrl-C shut it dow
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from lookahead_harness import (
     Case,
     batches,
@@ -36,22 +34,9 @@ from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, StepStats
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _process_group() -> Iterator[None]:
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+def _process_group(one_rank_process_group: None) -> None:
+    """Every in-process test here runs on one rank."""
 
 
 @pytest.fixture(autouse=True)
@@ -468,7 +453,42 @@ def test_ctrl_c_stops_the_worker_and_leaves_the_tiers_flushed(tmp_path: Path, wh
 # ----------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(big_tier="block_scm", mid_tier="byte_scm", depth=2, optimizer="keyed", steps=16),
+        Case(big_tier="byte_scm", mid_tier="block_scm", depth=3, optimizer="torch", steps=16),
+    ],
+    ids=lambda c: c.id,
+)
+def test_lookahead_pipeline_on_cuda_matches_the_plain_loop(tmp_path: Path, case: Case) -> None:
+    """Our pipeline on CUDA: batches copied and input-distributed on TorchRec's side streams,
+    rows copied into the HBM caches on the tier worker's stream k batches ahead; the result
+    is the plain loop's."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    data = batches(case, 0)
+    plain = build(case, tmp_path / "plain", device=cuda)
+    plain_opt = make_optimizer(case, plain)
+    plain_losses = train_plain(plain, plain_opt, [b.to(cuda) for b in data])
+
+    model = build(case, tmp_path / "ahead", device=cuda)
+    optimizer = make_optimizer(case, model)
+    losses, pipeline = train_pipelined(model, optimizer, data, case.depth, device=cuda)
+    assert len(losses) == case.steps
+    assert pipeline.totals.steps == case.steps
+    counters = [g.io_counters() for g in groups_of(model)]
+    assert sum(c.unprefetched_batches for c in counters) == 0
+    assert all(g.device.type == "cuda" for g in groups_of(model))
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-5, atol=1e-6
+    )
+    a, b = full_state(plain, plain_opt), full_state(model, optimizer)
+    for key in a:
+        torch.testing.assert_close(a[key].cpu(), b[key].cpu(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.cuda
 def test_tiered_kernel_runs_in_torchrec_prefetch_pipeline(tmp_path: Path) -> None:
     """On CUDA, TorchRec's own PrefetchTrainPipelineSparseDist drives the tiered kernels'
     prefetch through the grouped lookups; training matches the plain loop."""

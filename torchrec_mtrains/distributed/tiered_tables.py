@@ -23,6 +23,7 @@ import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
+from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
@@ -30,6 +31,9 @@ from torchrec_mtrains.types import RowLayout, StorageDType
 logger: logging.Logger = logging.getLogger(__name__)
 
 FLUSH_CHUNK_ROWS = 16384  # rows per call when flush() or a reload moves a whole cache
+# Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
+# CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
+HOST = torch.device("cpu")
 
 
 class TableIdError(IndexError):
@@ -129,6 +133,10 @@ class _PlannedBatch:
     inverses: list[torch.Tensor] = field(default_factory=list)
     plans: list[CachePlan] = field(default_factory=list)  # empty until planned
     io: Future[object] | None = None
+    # CUDA only (see copy_streams): the slot releases its copies must follow, and the end of
+    # its copies, which its forward waits for.
+    after_release: torch.cuda.Event | None = None
+    rows_ready: torch.cuda.Event | None = None
 
 
 def _split_states(
@@ -213,6 +221,11 @@ class TieredTableGroup:
                     created=created,
                 )
             )
+        self.device = weight_slots[0].device if weight_slots else HOST
+        self._copies = RowCopyStreams(self.device)
+        # The event of the last slot release on the training stream (CUDA): copies that reuse
+        # released slots wait for it.
+        self._released: torch.cuda.Event | None = None
         self._mapped: dict[int, np.ndarray[Any, Any]] = {}
         self._pending: deque[_PlannedBatch] = deque()
         self._in_flight: _PlannedBatch | None = None
@@ -241,7 +254,7 @@ class TieredTableGroup:
         """Splits a batch's ids by feature and by table, checking every id against its table.
 
         Returns ``(segments per feature, feature indices per table, ids per table)``."""
-        ids = values.to("cpu", torch.int64)
+        ids = values.to(HOST, torch.int64)
         segments = list(torch.split(ids, lengths_per_feature))
         per_table: list[list[int]] = [[] for _ in self.shards]
         for feature, table_idx in enumerate(self.feature_table_map):
@@ -274,7 +287,7 @@ class TieredTableGroup:
         self._plan(batch)  # a batch that cannot fit raises here, before anything moves
         started = time.perf_counter()
         try:
-            self._move_rows(list(zip(self.shards, batch.plans)))
+            self._move_batch_rows(batch)
         except BaseException as e:
             self._release(batch)  # its rows never arrived: the batch does not run
             self._io_error_reported |= isinstance(e, Exception)
@@ -298,6 +311,7 @@ class TieredTableGroup:
             plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
             for shard, plan in zip(self.shards, plans):
                 shard.cache.hold(plan.slots)
+            batch.after_release = self._released
         batch.inverses = [inverse for _, inverse in uniques]
         batch.plans = plans
         with self._counters_lock:
@@ -308,7 +322,10 @@ class TieredTableGroup:
         """The worker's part of a prefetch: plan, then write back and read (in FIFO order with
         every other batch's, so a row written back is on its tier before it is read again)."""
         self._plan(batch)
-        self._move_rows(list(zip(self.shards, batch.plans)))
+        self._move_batch_rows(batch)
+
+    def _move_batch_rows(self, batch: _PlannedBatch) -> None:
+        batch.rows_ready = self._move_rows(list(zip(self.shards, batch.plans)), batch.after_release)
 
     def _check_no_reported_error(self) -> None:
         if self._io_error_reported:
@@ -359,6 +376,7 @@ class TieredTableGroup:
             raise
         finally:
             self._add_stall(time.perf_counter() - started)
+        self._copies.wait(batch.rows_ready)
         self._in_flight = batch
         self._awaiting_backward = train
         if train:
@@ -386,7 +404,7 @@ class TieredTableGroup:
             return None
         head = self._pending[0]
         if head.lengths != list(lengths_per_feature) or not torch.equal(
-            head.values.to("cpu"), values.to("cpu")
+            head.values, values.to(head.values.device)
         ):
             logger.warning(
                 "forward ids differ from the next prefetched batch; planning them now "
@@ -397,7 +415,9 @@ class TieredTableGroup:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtrains-tier-io")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="mtrains-tier-io", initializer=self._copies.enter_worker
+            )
         return self._executor
 
     @staticmethod
@@ -412,6 +432,9 @@ class TieredTableGroup:
 
     def _release_in_flight(self) -> None:
         if self._in_flight is not None:
+            with self._cache_lock:
+                # Enqueued work of that batch (its backward) may still use the slots on the GPU.
+                self._released = self._copies.record()
             self._release(self._in_flight)
             self._in_flight = None
 
@@ -489,14 +512,25 @@ class TieredTableGroup:
 
     @torch.no_grad()
     def apply(self, shard: TieredTableShard, plan: CachePlan) -> None:
-        """Carries out ``plan``: writes dirty victims back, then reads the missing rows in."""
-        self._move_rows([(shard, plan)])
+        """Carries out ``plan``: writes dirty victims back, then reads the missing rows in;
+        returns once the rows are in the cache."""
+        with self._cache_lock:
+            after = self._released
+        self._copies.synchronize(self._move_rows([(shard, plan)], after))
 
     @torch.no_grad()
-    def _move_rows(self, pairs: list[tuple[TieredTableShard, CachePlan]]) -> None:
+    def _move_rows(
+        self,
+        pairs: list[tuple[TieredTableShard, CachePlan]],
+        after: torch.cuda.Event | None = None,
+    ) -> torch.cuda.Event | None:
         """Carries out a batch's plans: every table's write-backs first, then every table's
-        reads, so a failed read never strands another table's evicted dirty rows unwritten."""
+        reads, so a failed read never strands another table's evicted dirty rows unwritten.
+
+        On CUDA the copies run on this thread's current stream, after ``after`` (the slot
+        release the plans rely on); returns the event that marks the rows in place."""
         started = time.perf_counter()
+        self._copies.wait(after)
         try:
             for shard, plan in pairs:
                 if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
@@ -514,12 +548,13 @@ class TieredTableGroup:
         finally:
             with self._counters_lock:
                 self._counters.io_seconds += time.perf_counter() - started
+        return self._copies.record()
 
     def _gather(self, shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
         dev_slots = slots.to(shard.weight_slots.device)
         parts = [shard.weight_slots.index_select(0, dev_slots)]
         parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
-        rows = torch.cat([p.to("cpu", torch.float32) for p in parts], dim=1)
+        rows = torch.cat([p.to(HOST, torch.float32) for p in parts], dim=1)
         return rows.numpy()
 
     def _scatter(self, shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:

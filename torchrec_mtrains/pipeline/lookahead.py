@@ -8,12 +8,14 @@ module's ``prefetch``, let the forward consume it) but cannot run on CPU: it pre
 ``PrefetchPipelinedForward`` then asserts on a missing input. It also looks ahead exactly one
 batch. :class:`LookaheadTrainPipeline` keeps TorchRec's model rewrite (``_rewrite_model`` with
 ``PrefetchPipelinedForward``), batch queue, contexts and input-dist stages from
-``TrainPipelineSparseDist`` and replaces the schedule: the prefetch step is stream-free and the
-queue holds ``k`` prefetched batches.
+``TrainPipelineSparseDist`` and replaces the schedule: the prefetch step runs on the data-dist
+stream (none on CPU) and the queue holds ``k`` prefetched batches. It runs on CPU and on CUDA.
 
-On CPU the one thing that overlaps training is the tiered kernels' background tier I/O: a
-batch's rows are planned on the training thread (ids to cache slots, held so nothing evicts
-them) and read by the tier worker while earlier batches run forward, backward and optimizer.
+What overlaps training is the tiered kernels' background tier I/O: a batch's ids are checked
+on the training thread, and its rows planned (ids to cache slots, held so nothing evicts them)
+and read by the tier worker while earlier batches run forward, backward and optimizer. On CUDA
+the worker copies rows into the HBM cache on its own stream, ordered by events against the
+training stream.
 The kernel guarantees correctness as long as prefetches are issued in the order the batches
 run, which this pipeline does by construction: rows of batches in flight are never evicted, and
 a row written back is never read stale (one FIFO worker). So a pipelined run trains bitwise the
@@ -71,9 +73,10 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
             ``model.fused_optimizer`` and a ``KeyedOptimizerWrapper`` over the dense parameters,
             or a plain torch optimizer over the dense parameters (the fused tables update in
             backward either way).
-        device: where the model computes (``cpu``; on CUDA TorchRec's stream-based
-            ``PrefetchTrainPipelineSparseDist`` is the better choice and also drives the tiered
-            kernels).
+        device: where the model computes (``cpu`` or ``cuda``). On CUDA batches are copied and
+            input-distributed on TorchRec's side streams and the tier worker copies rows on its
+            own; TorchRec's ``PrefetchTrainPipelineSparseDist`` also drives the tiered kernels
+            there, one batch ahead.
         lookahead: ``k``, batches prefetched ahead of the running one (>= 1).
         custom_model_fwd: as TorchRec's: called with the batch instead of ``model``, returns
             ``(losses, output)``.
@@ -165,6 +168,8 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         training = bool(self._model.training)
         if training:
             self._optimizer.zero_grad()
+        # CUDA: the batch was copied and input-distributed on side streams (no-op on CPU).
+        self._wait_for_batch()
         losses, output = self._model_fwd(self.batches[0])
         # Batch i+k. After the forward: batch i-1's rows are released by then, so the caches
         # need room for k+1 batches, not k+2.
@@ -201,18 +206,22 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
     def _finish_distribution_and_prefetch(self, context: PrefetchTrainPipelineContext) -> None:
         """Completes a batch's input distribution and hands each sharded module its part.
 
-        TorchRec's ``prefetch_embeddings`` without the streams: the distributed input and the
-        module context move to the ``*_post_prefetch`` fields, where
-        ``PrefetchPipelinedForward`` takes them in the batch's forward."""
+        TorchRec's ``prefetch_embeddings`` with the prefetch on the data-dist stream: the
+        distributed input and the module context move to the ``*_post_prefetch`` fields, where
+        ``PrefetchPipelinedForward`` takes them in the batch's forward (on CUDA it makes the
+        forward's stream wait for the data-dist stream and records the tensors' use there).
+        The tiered kernels read the batch's ids on that stream, after its input dist, and copy
+        their rows into the cache on the tier worker's own stream (see ``copy_streams``)."""
         self.wait_sparse_data_dist(context)
         for module in self._pipelined_modules:
             name = module.forward.name
             request = context.input_dist_tensors_requests.pop(name)
             if not isinstance(request, Awaitable):
                 raise TypeError(f"{name}: input dist gave {type(request).__name__}")
-            dist_input = request.wait()
             module_context = context.module_contexts.pop(name)
-            module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_context)
+            with self._stream_context(self._data_dist_stream):
+                dist_input = request.wait()
+                module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_context)
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_context
 

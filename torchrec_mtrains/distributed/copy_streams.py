@@ -1,0 +1,62 @@
+"""Ordering the tier worker's row copies against training when the cache is in HBM.
+
+On CUDA the cache's rows are written (rows read from a tier) and read (dirty victims going back
+to a tier) by the tier worker thread while the training stream runs other batches. The worker
+copies on its own stream, so its copies overlap compute, and two events keep it correct:
+
+* a slot released by a batch (its backward enqueued) may still be read or updated by kernels the
+  GPU has not run yet; a plan that reuses such a slot waits for the event recorded when the
+  training thread released it, so a victim's row is copied out only after its last update, and
+  a new row is copied in only after the old one's last use;
+* a batch's forward waits for the event recorded after its rows were copied in.
+
+On CPU every copy is synchronous and all of this is a no-op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowCopyStreams:
+    """The worker's copy stream on ``device`` (none on CPU) and the events that order it.
+
+    Args:
+        device: the device holding the cache.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        )
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._stream is not None
+
+    def enter_worker(self) -> None:
+        """Run once on the tier worker thread: its copies go to the copy stream (the current
+        device and stream are per thread)."""
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self._stream)
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event marking everything enqueued so far on this thread's current stream."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Makes this thread's current stream wait for ``event`` (without blocking the host)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def synchronize(event: torch.cuda.Event | None) -> None:
+        """Blocks the host until ``event`` has happened."""
+        if event is not None:
+            event.synchronize()
