@@ -5,15 +5,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 REQS ?= requirements/cpu.txt
+TORCHREC ?= 1.8.0
 STAMP := $(VENV)/.installed-stamp
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: install train test lint typecheck pytest bench clean
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/dev.txt
+$(STAMP): pyproject.toml $(REQS) requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r $(REQS) -r requirements/dev.txt
-	$(PY) -m pip install -q --no-deps torchrec==1.8.0
+	$(PY) -m pip install -q --no-deps torchrec==$(TORCHREC)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -41,7 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.data import build_dataloader
-from apps.dlrm.train import CONF_DIR, build_model, init_distributed
+from apps.dlrm.train import CONF_DIR, build_model
+from torchrec_mtrains.distributed.runtime import init_process_group, resolve_device
 from torchrec_mtrains.pipeline import (
     LookaheadTrainPipeline,
     StepStats,
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lookahead", type=int, default=2, help="k of the look-ahead run")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="auto", help="auto (CUDA when visible), cpu or cuda")
     p.add_argument(
         "--dir",
         type=Path,
@@ -117,13 +119,15 @@ def batches(cfg: DictConfig) -> Iterator[Batch]:
     return iter(build_dataloader(data, 0, 1))  # type: ignore[arg-type]
 
 
-def run(args: argparse.Namespace, root: Path, lookahead: int) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, root: Path, lookahead: int, device: torch.device
+) -> dict[str, Any]:
     """Trains a fresh model with ``lookahead`` (0 = plain loop); per-step means."""
     cfg = make_config(args, root / f"lookahead{lookahead}")
     Path(str(cfg.run.dir)).mkdir(parents=True)
     torch.manual_seed(int(cfg.run.seed))
     t0 = time.perf_counter()
-    model, optimizer, plan = build_model(cfg, world_size=1, resume=False)
+    model, optimizer, plan = build_model(cfg, 1, False, device)
     build_s = time.perf_counter() - t0
     groups = tiered_groups(model)
     data = batches(cfg)
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace, root: Path, lookahead: int) -> dict[str, Any]:
     if lookahead == 0:
         for _ in range(total):
             before, t = snapshot(groups), time.perf_counter()
-            batch = next(data)
+            batch = next(data).to(device)
             optimizer.zero_grad()
             loss, _ = model(batch)
             loss.backward()
@@ -142,9 +146,7 @@ def run(args: argparse.Namespace, root: Path, lookahead: int) -> dict[str, Any]:
             losses.append(float(loss.detach()))
             steps.append(StepStats.between(before, snapshot(groups), time.perf_counter() - t))
     else:
-        with LookaheadTrainPipeline(
-            model, optimizer, torch.device("cpu"), lookahead=lookahead
-        ) as pipeline:
+        with LookaheadTrainPipeline(model, optimizer, device, lookahead=lookahead) as pipeline:
             it = itertools.islice(data, total)
             for _ in range(total):
                 loss_t, _, _ = pipeline.progress(it)
@@ -175,13 +177,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
-    *_, created = init_distributed()
+    group = init_process_group(resolve_device(args.device))
     root = Path(tempfile.mkdtemp(prefix="lookahead-bench-", dir=args.dir))
     try:
-        runs = [run(args, root, 0), run(args, root, args.lookahead)]
+        runs = [run(args, root, k, group.device) for k in (0, args.lookahead)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        if created:
+        if group.created:
             dist.destroy_process_group()
     plain, ahead = runs
     result = {

@@ -75,6 +75,39 @@ def test_bad_arguments_name_the_option(kwargs: dict[str, object], option: str) -
         dlrm(**kwargs)  # type: ignore[arg-type]
 
 
+def test_gpu_launch_runs_one_rank_per_gpu_on_cuda() -> None:
+    app = dlrm("run.steps=5", gpu=8, j="2x8")
+    (role,) = app.roles
+    assert role.resource.gpu == 8
+    assert role.num_replicas == 2
+    cmd = command(app)
+    assert "--nnodes 2 --nproc_per_node 8" in cmd
+    assert "run.device=cuda" in cmd
+    # Without -j or nproc_per_node: one rank per GPU.
+    assert "--nproc_per_node 4" in command(dlrm(gpu=4))
+
+
+def test_cpu_launch_runs_on_cpu_unless_the_overrides_say_otherwise() -> None:
+    assert "run.device=cpu" in command(dlrm())
+    cmd = command(dlrm("run.device=auto"))
+    assert "run.device=auto" in cmd and "run.device=cpu" not in cmd
+    assert "--nnodes 1 --nproc_per_node 3" in command(dlrm(j="3"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpu": 2, "j": "1x4"}, "at most one rank per GPU"),
+        ({"gpu": -1}, "^gpu="),
+        ({"j": "1:2x4"}, "^j="),
+        ({"j": "two"}, "^j="),
+    ],
+)
+def test_bad_gpu_shapes_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dlrm(**kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("arg", ["steps", "run.steps", "--multirun", "-m", "=5"])
 def test_non_override_script_args_are_rejected(arg: str) -> None:
     with pytest.raises(ValueError, match="script_args"):

@@ -14,7 +14,7 @@ needs real (not postponed) annotations, so this module keeps the old spellings o
 # ruff: noqa: UP006, UP035, UP045
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torchx
 from torchx import specs
@@ -55,6 +55,19 @@ def _check_overrides(overrides: List[str]) -> None:
             )
 
 
+_J = re.compile(r"^(?:(\d+)x)?(\d+)$")
+
+
+def _parse_j(j: str) -> Tuple[int, int]:
+    match = _J.match(j.strip())
+    if not match:
+        raise ValueError(
+            f"j={j!r}: write {{nnodes}}x{{nproc_per_node}} (e.g. 1x8) or {{nproc_per_node}}; "
+            "elastic ranges (min:max) are not supported"
+        )
+    return int(match.group(1) or 1), int(match.group(2))
+
+
 def _has_override(overrides: List[str], key: str) -> bool:
     return any(re.match(rf"^(\+\+|\+)?{re.escape(key)}=", arg) for arg in overrides)
 
@@ -67,10 +80,12 @@ DEFAULT_ENV: Dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
 def dlrm(
     *script_args: str,
     nnodes: int = 1,
-    nproc_per_node: int = 2,
+    nproc_per_node: Optional[int] = None,
+    j: Optional[str] = None,
     name: str = "dlrm",
     image: str = torchx.IMAGE,
     cpu: int = 2,
+    gpu: int = 0,
     memMB: int = 8192,
     h: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
@@ -80,16 +95,22 @@ def dlrm(
 ) -> specs.AppDef:
     """Trains the DLRM app (python -m apps.dlrm.train) with its large tables on storage tiers.
 
-    Every rank runs the Hydra app with the same overrides; ranks join a gloo group through
-    torchrun. Without a run.dir override all ranks write to runs/<app id>.
+    Every rank runs the Hydra app with the same overrides; ranks join one process group through
+    torchrun: NCCL with one rank per GPU when gpu > 0 (the app gets run.device=cuda), gloo on
+    CPUs otherwise (run.device=cpu), unless the overrides set run.device. Without a run.dir
+    override all ranks write to runs/<app id>.
 
     Args:
         script_args: Hydra overrides for the app, e.g. run.steps=100 planner.dram_budget=16MB
         nnodes: number of nodes (hosts)
-        nproc_per_node: number of training processes (ranks) on each node
+        nproc_per_node: number of training processes (ranks) on each node; default: one per
+            GPU when gpu > 0, else 2
+        j: {nnodes}x{nproc_per_node} as for dist.ddp, e.g. 2x8 (or {nproc_per_node} alone);
+            takes precedence over nnodes and nproc_per_node
         name: job name, {experimentname}/{runname} or {runname}
         image: image to run in (the working directory for the local_cwd scheduler)
         cpu: number of CPUs per node
+        gpu: number of GPUs per node; each rank gets one
         memMB: host memory per node in MB
         h: a registered named resource (takes precedence over cpu and memMB)
         env: extra environment variables, e.g. OMP_NUM_THREADS=1,LOGLEVEL=INFO; ranks get
@@ -104,10 +125,20 @@ def dlrm(
     Raises:
         ValueError: an argument is out of range or a script argument is not a Hydra override.
     """
+    if gpu < 0:
+        raise ValueError(f"gpu={gpu}: must be 0 or more")
+    if j is not None:
+        nnodes, nproc_per_node = _parse_j(j)
+    if nproc_per_node is None:
+        nproc_per_node = gpu if gpu > 0 else 2
     if nnodes < 1:
         raise ValueError(f"nnodes={nnodes}: must be at least 1")
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: must be at least 1")
+    if gpu and nproc_per_node > gpu:
+        raise ValueError(
+            f"{nproc_per_node} ranks per node but gpu={gpu}: run at most one rank per GPU"
+        )
     if not name or not _NAME.match(name):
         raise ValueError(
             f"name={name!r}: use letters, digits, '-' and '_', optionally as experiment/run"
@@ -125,6 +156,8 @@ def dlrm(
     if not _has_override(overrides, "run.dir"):
         # Each rank composes its own config; a timestamped default could differ between them.
         overrides.append(f"run.dir=runs/{specs.macros.app_id}")
+    if not _has_override(overrides, "run.device"):
+        overrides.append(f"run.device={'cuda' if gpu else 'cpu'}")
     return ddp(
         *overrides,
         m=APP_MODULE,
@@ -132,6 +165,7 @@ def dlrm(
         name=name,
         h=h,
         cpu=cpu,
+        gpu=gpu,
         memMB=memMB,
         j=f"{nnodes}x{nproc_per_node}",
         env={**DEFAULT_ENV, **(env or {})},

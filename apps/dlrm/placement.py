@@ -1,7 +1,8 @@
 """Turns a model's tables into a TorchRec sharding plan that puts large tables on storage tiers.
 
 This is the size rule used when no access profile drives placement: the smallest tables stay in
-DRAM on TorchRec's FUSED kernel until ``dram_budget`` is spent, the rest go to byte SCM, or to
+the compute device's memory (DRAM on CPU, HBM on CUDA) on TorchRec's FUSED kernel until
+``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
 Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
 least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
@@ -79,14 +80,19 @@ def size_rule_plan(
     block_scm_min_bytes: int,
     cache_load_factor: float,
     cache_policy: str,
+    device_type: str = "cpu",
 ) -> tuple[EmbeddingModuleShardingPlan, list[TablePlacement]]:
-    """Builds the plan and a per-table summary (see the module docstring for the rule)."""
+    """Builds the plan and a per-table summary (see the module docstring for the rule).
+
+    ``device_type`` is where the job computes: FUSED tables live in its memory (DRAM on
+    ``cpu``, HBM on ``cuda``), as do the tiered tables' caches."""
     configs = sorted(ebc.embedding_bag_configs(), key=lambda c: (table_bytes(c), c.name))
     ranks = balance_ranks(configs, world_size)
     placements: list[TablePlacement] = []
     generators = {}
     options: dict[str, TieredTableOptions] = {}
     spent = 0
+    fast = Tier.HBM if device_type == "cuda" else Tier.DRAM
     for config in configs:
         size = table_bytes(config)
         rank = ranks[config.name]
@@ -98,7 +104,7 @@ def size_rule_plan(
                     config.name,
                     config.num_embeddings,
                     config.embedding_dim,
-                    Tier.DRAM,
+                    fast,
                     "fused",
                     config.num_embeddings,
                     rank,
@@ -130,7 +136,7 @@ def size_rule_plan(
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
-        device_type="cpu",
+        device_type=device_type,
     )
     for name, opts in options.items():
         plan[name] = TieredParameterSharding.wrap(plan[name], opts)

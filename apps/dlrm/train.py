@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import time
 import warnings
@@ -51,6 +50,11 @@ from torchrec_mtrains.distributed import (
     TieredParameterSharding,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import (
+    init_process_group,
+    local_world_size,
+    resolve_device,
+)
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, TierSnapshot, snapshot, tiered_groups
 from torchrec_mtrains.planner import plan_from_config
 from torchrec_mtrains.profiler import AccessProfile
@@ -67,23 +71,12 @@ class ConfigError(ValueError):
     """A configuration or input problem the user can fix; printed as one paragraph."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_distributed() -> tuple[int, int, bool]:
-    """Joins (or forms) the gloo process group; returns ``(rank, world_size, created)``."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), False
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
-    return dist.get_rank(), dist.get_world_size(), True
+def compute_device(cfg: DictConfig) -> torch.device:
+    """``run.device`` (auto / cpu / cuda) as this rank's device: ``cuda:<LOCAL_RANK>`` on GPUs."""
+    try:
+        return resolve_device(str(OmegaConf.select(cfg, "run.device", default="auto")))
+    except ValueError as e:
+        raise ConfigError(f"run.{e}") from None
 
 
 def _agree_run_dir(cfg: DictConfig, world: int) -> DictConfig:
@@ -164,9 +157,10 @@ def _check_model_config(cfg: DictConfig) -> list[int]:
 
 
 def build_model(
-    cfg: DictConfig, world_size: int, resume: bool
+    cfg: DictConfig, world_size: int, resume: bool, device: torch.device
 ) -> tuple[DistributedModelParallel, CombinedOptimizer, str]:
-    """The sharded DLRM, its combined optimizer and the plan printout."""
+    """The sharded DLRM on ``device`` (tiered tables' rows on their tiers, their caches and
+    every other table on ``device``), its combined optimizer and the plan printout."""
     sizes = _check_model_config(cfg)
     dim = int(cfg.model.embedding_dim)
     tables = [
@@ -183,7 +177,7 @@ def build_model(
             dense_in_features=dense_in,
             dense_arch_layer_sizes=list(cfg.model.dense_arch_layer_sizes),
             over_arch_layer_sizes=list(cfg.model.over_arch_layer_sizes),
-            dense_device=torch.device("cpu"),
+            dense_device=device,
         )
     )
     lr = float(cfg.run.learning_rate)
@@ -195,7 +189,7 @@ def build_model(
     )
     try:
         if tiered_planner:
-            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size)
+            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size, device)
         else:
             planner = cfg.planner
             plan, placements = size_rule_plan(
@@ -206,6 +200,7 @@ def build_model(
                 block_scm_min_bytes=_size_option(cfg, "planner.block_scm_min_bytes"),
                 cache_load_factor=float(planner.cache_load_factor),
                 cache_policy=str(planner.cache_policy),
+                device_type=device.type,
             )
             plan_text = format_placements(placements)
     except ConfigError:
@@ -223,7 +218,7 @@ def build_model(
         raise ConfigError(f"planner: {e}") from None
     dmp = DistributedModelParallel(
         model,
-        device=torch.device("cpu"),
+        device=device,
         plan=ShardingPlan({EBC_PATH: plan}),
         sharders=[sharder],
     )
@@ -240,6 +235,7 @@ def _tiered_plan(
     ebc: EmbeddingBagCollection,
     sharder: TieredEmbeddingBagCollectionSharder,
     world_size: int,
+    device: torch.device,
 ) -> tuple[Any, str]:
     """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
     the tables it put on a tier (up to an eighth of each cache)."""
@@ -252,7 +248,14 @@ def _tiered_plan(
             float(cfg.planner.get("min_cache_factor", 2.0)), 1.5 * (lookahead + 1)
         )
         planned.planner.overlap_tier_io = lookahead > 0
-    table_plan = plan_from_config(planned, ebc, sharder, world_size)
+    table_plan = plan_from_config(
+        planned,
+        ebc,
+        sharder,
+        world_size,
+        local_world_size=min(world_size, local_world_size()),
+        compute_device=device.type,
+    )
     profile_path = str(cfg.planner.get("profile") or "")
     if profile_path and bool(cfg.planner.get("pin_hot_rows", True)):
         profile = AccessProfile.from_json(profile_path)
@@ -372,13 +375,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    rank, world, created = init_distributed()
+    group = init_process_group(compute_device(cfg))
     try:
-        cfg = _agree_run_dir(cfg, world)
+        cfg = _agree_run_dir(cfg, group.world_size)
         run_dir = _prepare_run_dir(cfg)
-        return _train(cfg, run_dir, rank, world)
+        return _train(cfg, run_dir, group.rank, group.world_size, group.device)
     finally:
-        if created:
+        if group.created:
             dist.destroy_process_group()
         torch.set_num_threads(caller_threads)
 
@@ -421,14 +424,21 @@ def _lookahead(cfg: DictConfig) -> int:
 
 
 def io_totals(
-    before: TierSnapshot, after: TierSnapshot, seconds: float, world: int
+    before: TierSnapshot,
+    after: TierSnapshot,
+    seconds: float,
+    world: int,
+    device: torch.device,
 ) -> dict[str, float]:
     """Tier I/O of the training phase: ``stall_s`` the training thread spent blocked on tier
     I/O (the slowest rank's, as the slowest rank sets the pace), ``prefetch_io_s`` and
     ``rows_fetched`` summed over ranks, ``stall_share`` of the training time."""
     delta = after - before
-    stall = torch.tensor([delta.io.stall_seconds], dtype=torch.float64)
-    summed = torch.tensor([delta.io.io_seconds, float(delta.io.rows_fetched)], dtype=torch.float64)
+    # On the process group's device: NCCL reduces CUDA tensors only.
+    stall = torch.tensor([delta.io.stall_seconds], dtype=torch.float64, device=device)
+    summed = torch.tensor(
+        [delta.io.io_seconds, float(delta.io.rows_fetched)], dtype=torch.float64, device=device
+    )
     if world > 1:
         dist.all_reduce(stall, op=dist.ReduceOp.MAX)
         dist.all_reduce(summed)
@@ -457,7 +467,9 @@ def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path]
     return None
 
 
-def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
+) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
     lookahead = _lookahead(cfg)
     phases: dict[str, float] = {}
@@ -467,12 +479,12 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     batches = _batches(cfg, rank, world, start)
     files_before = tier_files(cfg, rank)
     try:
-        model, optimizer, plan_text = build_model(cfg, world, resume=last is not None)
+        model, optimizer, plan_text = build_model(cfg, world, last is not None, device)
     except RowStoreError as e:
         raise ConfigError(f"tier storage (hardware.*): {e}") from None
     files_after = tier_files(cfg, rank)
     reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
-    file_counts = torch.tensor([len(files_after) - reopened, reopened])
+    file_counts = torch.tensor([len(files_after) - reopened, reopened], device=device)
     if world > 1:
         dist.all_reduce(file_counts)
     phases["build"] = time.perf_counter() - t0
@@ -484,7 +496,8 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     if rank == 0:
         (run_dir / "plan.txt").write_text(plan_text + "\n")
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        print(f"Sharding plan ({world} rank{'s' if world > 1 else ''}):\n{plan_text}", flush=True)
+        ranks = f"{world} rank{'s' if world > 1 else ''} on {device.type}"
+        print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
 
     steps = int(cfg.run.steps)
     model.train()
@@ -502,14 +515,12 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
     log_every = max(1, int(cfg.run.log_every))
-    step_fn = _plain_step(model, optimizer, batches)
+    step_fn = _plain_step(model, optimizer, batches, device)
     pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
     if lookahead:
         # The pipeline reads ahead, so it gets exactly the training batches: evaluation
         # continues on `batches` where training stopped, as in the plain loop.
-        pipeline = LookaheadTrainPipeline(
-            model, optimizer, torch.device("cpu"), lookahead=lookahead
-        )
+        pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=lookahead)
         step_fn = _pipelined_step(pipeline, itertools.islice(batches, steps - start))
     running = pipeline if pipeline is not None else contextlib.nullcontext()
     with _cache_errors_explained(cfg), running:
@@ -535,13 +546,13 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
                 save_checkpoint(model, optimizer, run_dir, step + 1)
     bar.close()
     elapsed = time.perf_counter() - timed_start
-    io_train = io_totals(io_before, snapshot(groups), elapsed, world)
+    io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
     trained_steps = len(losses)
 
     phases["train"] = elapsed
     t0 = time.perf_counter()
     with _cache_errors_explained(cfg):
-        auc, ne = evaluate(model, batches, int(cfg.run.eval_batches))
+        auc, ne = evaluate(model, batches, int(cfg.run.eval_batches), device)
     phases["eval"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if trained_steps == 0 and last is not None:
@@ -576,14 +587,17 @@ def _train(cfg: DictConfig, run_dir: Path, rank: int, world: int) -> dict[str, A
 
 
 def _plain_step(
-    model: DistributedModelParallel, optimizer: CombinedOptimizer, batches: Iterator[Batch]
+    model: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    batches: Iterator[Batch],
+    device: torch.device,
 ) -> Callable[[], tuple[float, int]]:
     """One step of the plain loop (no look-ahead): each batch's rows are read from the tiers
     when its forward needs them. Returns ``(loss, samples)``; raises StopIteration at the end
     of the data."""
 
     def step() -> tuple[float, int]:
-        batch = next(batches)
+        batch = next(batches).to(device, non_blocking=True)
         optimizer.zero_grad()
         loss, _ = model(batch)
         loss.backward()
@@ -607,7 +621,7 @@ def _pipelined_step(
 
 @torch.no_grad()
 def evaluate(
-    model: DistributedModelParallel, batches: Iterator[Batch], count: int
+    model: DistributedModelParallel, batches: Iterator[Batch], count: int, device: torch.device
 ) -> tuple[float | None, float | None]:
     """AUC and normalized entropy on ``count`` batches not trained on (all ranks gathered)."""
     if count <= 0:
@@ -616,7 +630,7 @@ def evaluate(
     logits_all, labels_all = [], []
     for _ in range(count):
         try:
-            batch = next(batches)
+            batch = next(batches).to(device, non_blocking=True)
         except StopIteration:
             break
         _, (_, logits, labels) = model(batch)
@@ -633,6 +647,7 @@ def evaluate(
         dist.all_gather(gathered_l, logits)
         dist.all_gather(gathered_y, labels)
         logits, labels = torch.cat(gathered_l), torch.cat(gathered_y)
+    logits, labels = logits.float().cpu(), labels.float().cpu()
     auc = float(BinaryAUROC()(torch.sigmoid(logits), labels.long()))
     bce = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
     p = float(labels.mean())

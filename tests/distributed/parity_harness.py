@@ -81,6 +81,7 @@ OPTIMIZERS = {
 }
 KINDS = ("ebc", "ec")
 SHARDINGS = ("table_wise", "column_wise", "row_wise")
+CPU = torch.device("cpu")
 CACHE_SIZES = ("min", "mid", "full")
 
 
@@ -97,6 +98,10 @@ class ParityCase:
             ``full`` (the whole shard).
         seed: seeds the batches.
         policy: the cache's eviction policy.
+        device: where both models compute (``cpu`` or ``cuda``); the tiered table's cache
+            lives there, its rows on the tier.
+        other_kernel: TorchRec's kernel for ``t_fused`` in both models (``fused``, or
+            ``fused_uvm_caching`` on CUDA): a tiered table beside each of TorchRec's kernels.
     """
 
     kind: str
@@ -106,11 +111,22 @@ class ParityCase:
     cache: str
     seed: int = 0
     policy: str = "lru"
+    device: str = "cpu"
+    other_kernel: str = "fused"
 
     @property
     def id(self) -> str:
         name = f"{self.kind}-{self.sharding}-{self.optimizer}-{self.tier}-{self.cache}"
-        return name if self.policy == "lru" else f"{name}-{self.policy}"
+        extras = [self.policy if self.policy != "lru" else ""]
+        extras += [self.device if self.device != "cpu" else ""]
+        extras += [self.other_kernel if self.other_kernel != "fused" else ""]
+        return "-".join([name, *(e for e in extras if e)])
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device)
 
 
 # ------------------------------------------------------------------------------ batches
@@ -260,14 +276,11 @@ def build_model(
     else:
         sharder = TieredEmbeddingCollectionSharder(storage, fused_params=fp)
     tiered = storage is not None
+    kernels = {FUSED_TABLE: case.other_kernel, TIERED_TABLE: "fused"}
+    if tiered:
+        kernels[TIERED_TABLE] = TIERED_KERNEL
     gens = {
-        name: _generator(
-            case.sharding,
-            world_size,
-            name,
-            TIERED_KERNEL if tiered and name == TIERED_TABLE else "fused",
-        )
-        for name, _, _ in TABLES
+        name: _generator(case.sharding, world_size, name, kernels[name]) for name, _, _ in TABLES
     }
     plan = construct_module_sharding_plan(
         make_module(case.kind),
@@ -275,7 +288,7 @@ def build_model(
         sharder=sharder,
         local_size=world_size,
         world_size=world_size,
-        device_type="cpu",
+        device_type=case.torch_device.type,
     )
     if tiered:
         factor, _ = cache_load_factor(case, world_size)
@@ -286,7 +299,7 @@ def build_model(
     torch.manual_seed(1234)
     return DistributedModelParallel(
         make_module(case.kind),
-        device=torch.device("cpu"),
+        device=case.torch_device,
         plan=ShardingPlan({"": plan}),
         sharders=[sharder],
     )
@@ -323,7 +336,7 @@ def set_weights(model: DistributedModelParallel, weights: dict[str, torch.Tensor
         table = key.split(".")[-2]
         for off, size, tensor in _regions(value):
             want = weights[table][off[0] : off[0] + size[0], off[1] : off[1] + size[1]]
-            assert torch.equal(tensor, want), f"{key}: state-dict shards are not live views"
+            assert torch.equal(tensor.cpu(), want), f"{key}: state-dict shards are not live views"
 
 
 def unsharded_outputs(kind: str, seed: int, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
@@ -333,7 +346,7 @@ def unsharded_outputs(kind: str, seed: int, kjt: KeyedJaggedTensor) -> dict[str,
     with torch.no_grad():
         for name, param in module.named_parameters():
             param.copy_(weights[name.split(".")[-2]])
-    return per_feature(kind, module(kjt))
+    return per_feature(kind, module(kjt.to("cpu")))
 
 
 # ------------------------------------------------------------------------------ training
@@ -354,24 +367,30 @@ def per_feature(kind: str, out: Any) -> dict[str, torch.Tensor]:
 
 def loss_of(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """A loss whose gradient depends on the current weights, so a wrong row moves later steps."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=outputs[FEATURES[0]].device)
     for feature in FEATURES:
         v = outputs[feature]
-        total = total + (v * _COEF + 0.5 * v * v).sum()
+        total = total + (v * _COEF.to(v.device) + 0.5 * v * v).sum()
     return total
 
 
-def train(model: DistributedModelParallel, kind: str, seed: int, rank: int) -> float:
+def train(
+    model: DistributedModelParallel,
+    kind: str,
+    seed: int,
+    rank: int,
+    device: torch.device = CPU,
+) -> float:
     """Trains ``STEPS`` steps; returns how far the first step's output was from the unsharded
     module's (max abs difference), a check of the whole sharded path independent of FUSED."""
     first = 0.0
     for step in range(STEPS):
-        kjt = make_kjt(batch_ids(seed, rank, step))
+        kjt = make_kjt(batch_ids(seed, rank, step)).to(device)
         outputs = per_feature(kind, model(kjt))
         if step == 0:
             expected = unsharded_outputs(kind, seed, kjt)
             with torch.no_grad():
-                first = max(float((outputs[f] - expected[f]).abs().max()) for f in FEATURES)
+                first = max(float((outputs[f].cpu() - expected[f]).abs().max()) for f in FEATURES)
         loss_of(outputs).backward()
     return first
 
@@ -407,11 +426,11 @@ def local_diff(ref: Any, tie: Any) -> float:
                 continue
             dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, off))
             src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off))
-            assembled[dst] = t_tensor[src].to(torch.float32)
+            assembled[dst] = t_tensor[src].to(CPU, torch.float32)
         if bool(torch.isnan(assembled).any()):
             raise AssertionError(f"tiered model lacks part of the local shard at {off}")
         if tensor.numel():
-            worst = max(worst, float((tensor.to(torch.float32) - assembled).abs().max()))
+            worst = max(worst, float((tensor.to(CPU, torch.float32) - assembled).abs().max()))
     return worst
 
 
@@ -512,9 +531,10 @@ class CaseResult:
 
 def run_case(case: ParityCase, rank: int, world_size: int, root: Path) -> CaseResult:
     ref, tie, planned = build_models(case, world_size, root)
+    device = case.torch_device
     diffs = {
-        "first_output_reference_vs_unsharded": train(ref, case.kind, case.seed, rank),
-        "first_output_tiered_vs_unsharded": train(tie, case.kind, case.seed, rank),
+        "first_output_reference_vs_unsharded": train(ref, case.kind, case.seed, rank, device),
+        "first_output_tiered_vs_unsharded": train(tie, case.kind, case.seed, rank, device),
     }
     diffs.update(compare(ref, tie))
     return CaseResult(

@@ -48,15 +48,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _process_group() -> Any:
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+def _process_group(one_rank_process_group: None) -> None:
+    """Every test here runs on one rank (the two-rank test spawns its own)."""
 
 
 def _tables(rows: int = 300, dim: int = 8) -> list[EmbeddingBagConfig]:

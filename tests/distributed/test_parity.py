@@ -52,18 +52,12 @@ def test_registry_holds_the_three_tiers() -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def gloo_world_size_1() -> Iterator[None]:
-    """One single-rank gloo group for every in-process test of this module."""
+def world_size_1(one_rank_process_group: None) -> Iterator[None]:
+    """One single-rank group for every in-process test of this module, on one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    created = False
-    if not dist.is_initialized():
-        h.init_group(0, 1, h.free_port())
-        created = True
     assert dist.get_world_size() == 1
     yield
-    if created:
-        dist.destroy_process_group()
     torch.set_num_threads(threads)
 
 

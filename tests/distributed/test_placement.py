@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
@@ -38,7 +37,6 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
-from torchrec_mtrains.distributed.runtime import free_port
 
 FUSED = {"optimizer": OptimType.EXACT_ADAGRAD, "learning_rate": 0.05}
 TABLES = (("t_tw", 120, "f0"), ("t_cw", 80, "f1"))
@@ -46,15 +44,8 @@ DIM = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _process_group() -> Iterator[None]:
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+def _process_group(one_rank_process_group: None) -> None:
+    """Every test here runs on one rank."""
 
 
 def _module(kind: str) -> nn.Module:

@@ -25,7 +25,7 @@ from torchrec_mtrains.planner.perf_model import (
     partial_units_per_row,
     units_per_row,
 )
-from torchrec_mtrains.planner.topology import CONF_DIR
+from torchrec_mtrains.planner.topology import CONF_DIR, GpuConfig, on_compute_device
 from torchrec_mtrains.types import Tier
 
 PRESETS = available_presets()
@@ -47,6 +47,24 @@ def test_each_preset_loads_and_validates(name: str) -> None:
         assert host.compute_device == "cuda" and host.ranks_per_host == host.gpu.count
     if host.block_scm is not None:
         assert host.block_scm.access_bytes == host.block_scm.block_size
+
+
+def test_the_compute_device_decides_where_caches_and_fast_tables_go() -> None:
+    gpu_host = load_topology("gpu_pmem_nvme")
+    on_cpu = on_compute_device(gpu_host, "cpu")
+    assert on_cpu.gpu is None and on_cpu.compute_device == "cpu"
+    assert on_cpu.cache_tier is Tier.DRAM and Tier.HBM not in on_cpu.tiers()
+    assert on_compute_device(gpu_host, "cuda") is gpu_host  # the preset's GPUs are kept
+
+    local = load_topology("local")
+    assert on_compute_device(local, "cpu") is local
+    on_gpu = on_compute_device(local, "cuda", GpuConfig(count=1, name="H100", hbm_capacity="80GB"))
+    assert on_gpu.compute_device == "cuda" and on_gpu.ranks_per_host == 1
+    assert on_gpu.cache_tier is Tier.HBM and on_gpu.rank_capacity(Tier.HBM, 1) == 80 * 10**9
+    with pytest.raises(ValueError, match="describes no GPU"):
+        on_compute_device(local, "cuda")
+    with pytest.raises(ValueError, match="'tpu'"):
+        on_compute_device(local, "tpu")
 
 
 def test_presets_with_storage_tiers() -> None:

@@ -349,6 +349,7 @@ def plan_from_config(
     world_size: int,
     *,
     local_world_size: int | None = None,
+    compute_device: str | None = None,
 ) -> TablePlan:
     """:func:`plan_tables` from the DLRM app's composed config.
 
@@ -357,13 +358,20 @@ def plan_from_config(
     ids per sample of tables without a profile from ``model.pooling_factors`` or
     ``data.pooling_factors`` (one entry, or one per table in ``t_cat_<i>`` order).
 
+    ``compute_device`` (``cpu`` / ``cuda``), when given, overrides the preset's: the plan
+    follows the device the job runs on (see :func:`on_compute_device`).
+
     Raises:
         ValueError: when ``cfg.planner`` is not the tiered planner's config, or a value is
             invalid.
     """
     from omegaconf import OmegaConf
 
-    from torchrec_mtrains.planner.topology import topology_from_config
+    from torchrec_mtrains.planner.topology import (
+        detected_gpu,
+        on_compute_device,
+        topology_from_config,
+    )
 
     planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
     if not isinstance(planner_node, dict) or planner_node.get("name") != "tiered":
@@ -384,6 +392,10 @@ def plan_from_config(
     topology = with_budgets(
         topology_from_config(cfg.hardware), config.dram_budget, config.byte_scm_budget
     )
+    if compute_device is not None:
+        needs_gpu = compute_device == "cuda" and topology.gpu is None
+        gpu = detected_gpu(local_world_size) if needs_gpu else None
+        topology = on_compute_device(topology, compute_device, gpu)
     return plan_tables(
         ebc,
         topology,

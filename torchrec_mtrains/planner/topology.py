@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import re
@@ -47,8 +48,10 @@ __all__ = [
     "MemoryTierConfig",
     "NetworkConfig",
     "available_presets",
+    "detected_gpu",
     "format_size",
     "load_topology",
+    "on_compute_device",
     "parse_size",
     "register_configs",
     "topology_from_config",
@@ -426,6 +429,56 @@ def topology_from_config(node: DictConfig | Mapping[str, Any]) -> HostTopology:
     if not isinstance(obj, HostTopology):
         raise TypeError(f"hardware config built a {type(obj).__name__}, not HostTopology")
     return obj
+
+
+def on_compute_device(
+    topology: HostTopology, device_type: str, gpu: GpuConfig | None = None
+) -> HostTopology:
+    """``topology`` as a job computing on ``device_type`` sees it: the device is chosen once,
+    per run, and the plan must follow it whatever the preset describes.
+
+    * ``cpu``: a preset's GPUs are dropped (caches in DRAM, TorchRec's kernels on the CPU).
+    * ``cuda``: a preset without GPUs gets ``gpu`` (what :func:`detected_gpu` reads off the
+      machine), one rank per GPU; a preset with GPUs is kept as it describes them.
+
+    Raises:
+        ValueError: for another device type, or CUDA with neither a preset GPU nor ``gpu``.
+    """
+    if device_type == "cpu":
+        return topology if topology.gpu is None else dataclasses.replace(topology, gpu=None)
+    if device_type != "cuda":
+        raise ValueError(f"compute device {device_type!r}: expected cpu or cuda")
+    if topology.gpu is not None:
+        return topology
+    if gpu is None:
+        raise ValueError(
+            f"host {topology.name!r} describes no GPU and none was given: pass the GPU "
+            "(detected_gpu()) or use a preset with a gpu section"
+        )
+    logger.info(
+        "hardware %r has no gpu section: planning for %d x %s (%s of HBM; bandwidths are the "
+        "GpuConfig defaults)",
+        topology.name,
+        gpu.count,
+        gpu.name or "GPU",
+        gpu.hbm_capacity,
+    )
+    return dataclasses.replace(topology, gpu=gpu, ranks_per_host=gpu.count)
+
+
+def detected_gpu(count: int | None = None) -> GpuConfig:
+    """The GPUs of this machine as a :class:`GpuConfig`: ``count`` of them (default: every
+    visible one) with the first one's name and memory; other figures keep their defaults."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("no GPU is visible to this process")
+    props = torch.cuda.get_device_properties(0)
+    return GpuConfig(
+        count=count or torch.cuda.device_count(),
+        name=str(props.name),
+        hbm_capacity=f"{int(props.total_memory)}B",
+    )
 
 
 def available_presets(conf_dir: str | Path | None = None) -> list[str]:

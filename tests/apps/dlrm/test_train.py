@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -352,3 +353,53 @@ def test_dram_budget_too_small_for_any_plan_is_one_paragraph(tmp_path: Path) -> 
         main(_tiered(tmp_path / "run", "planner.dram_budget=1KB"))
     message = str(info.value)
     assert "\n" not in message and "OVER by" in message
+
+
+def test_run_device_cuda_without_a_gpu_is_one_paragraph(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match=r"run\.device=cuda but no GPU is visible") as info:
+        main(config(tmp_path / "run", "run.device=cuda"))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_gpu_preset_plans_for_the_device_the_run_uses(tmp_path: Path) -> None:
+    """``hardware=gpu_pmem_nvme`` describes 8 GPUs; with ``run.device=cpu`` the plan, the model
+    and the caches must all be on the CPU (they were planned for CUDA and built on the CPU)."""
+    run_dir = tmp_path / "run"
+    metrics = main(
+        _tiered(
+            run_dir,
+            "hardware=gpu_pmem_nvme",
+            f"hardware.tier_root={run_dir}/tiers",
+            "run.device=cpu",
+        )
+    )
+    assert metrics["steps"] == 12
+    plan = (run_dir / "plan.txt").read_text()
+    assert "hbm" not in plan  # no HBM column: no table or cache planned there
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("planner", ["size_rule", "tiered"])
+def test_app_trains_on_cuda_and_resumes_on_the_cpu(tmp_path: Path, planner: str) -> None:
+    """The app on a GPU: plan for CUDA (FUSED tables and caches in HBM, rows on the tiers),
+    look-ahead 2, a checkpoint; then the same run resumed on the CPU from that checkpoint."""
+    run_dir = tmp_path / "run"
+    extra = ["run.steps=20", "pipeline.lookahead=2"]
+    cfg = (
+        config(run_dir, "run.device=cuda", *extra)
+        if planner == "size_rule"
+        else _tiered(run_dir, "run.device=cuda", *extra)
+    )
+    metrics = main(cfg)
+    assert metrics["steps"] == 20 and math.isfinite(float(metrics["train_loss_last"]))  # type: ignore[arg-type]
+    assert "hbm" in (run_dir / "plan.txt").read_text()
+    GlobalHydra.instance().clear()
+    resumed = main(
+        (config if planner == "size_rule" else _tiered)(
+            run_dir, "run.device=cpu", "run.resume=true", "run.steps=24", "pipeline.lookahead=2"
+        )
+    )
+    assert resumed["resumed_from_step"] == 20 and resumed["steps"] == 24

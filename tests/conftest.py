@@ -1,0 +1,51 @@
+"""Fixtures and markers shared by the whole suite.
+
+CUDA tests carry ``@pytest.mark.cuda``: ``pytest -m cuda`` runs just them, and without a GPU
+(CI has none) they are skipped with the reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchrec_mtrains.distributed.runtime import free_port
+
+
+def test_backend() -> str:
+    """gloo for CPU tensors, and NCCL for CUDA tensors where a GPU is visible, in one group."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+test_backend.__test__ = False  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def one_rank_process_group() -> Iterator[None]:
+    """A one-rank process group for DistributedModelParallel, for a whole test module (kept if
+    one already exists)."""
+    if dist.is_initialized():
+        yield
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        test_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(
+        reason="needs CUDA (no GPU visible); run `pytest -m cuda` on a GPU host"
+    )
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
