@@ -1,8 +1,10 @@
 """Train and evaluate a DLRM whose large tables live on storage tiers.
 
 Run ``python -m apps.dlrm.train`` (Hydra; override anything, e.g. ``run.steps=50``). Under
-torchrun / ``torchx run -s local_cwd`` each process joins the gloo group from the environment;
-alone, it forms a one-process group. ``main(cfg)`` is the testable entry point.
+torchrun / ``torchx run -s local_cwd`` each process joins the job's group (NCCL on CUDA, gloo on
+CPU) from the environment; alone, it forms a one-process group. ``main(cfg)`` is the testable
+entry point. Its parts: ``model`` (plan, sharded DLRM, optimizers), ``checkpoints``, ``report``
+(evaluation, summary) and ``errors``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import copy
 import itertools
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -24,51 +25,27 @@ from typing import Any, NoReturn
 import hydra
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
-from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.types import ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
+from apps.dlrm.checkpoints import load_checkpoint, resume_point, save_checkpoint, tier_files
 from apps.dlrm.data import build_dataloader
-from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
+from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
+from apps.dlrm.model import CONF_DIR, build_model, lookahead_depth
+from apps.dlrm.report import evaluate, gathered_tier_stats, hit_rate, io_totals, summary
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
-from torchrec_mtrains.distributed import (
-    TieredEmbeddingBagCollectionSharder,
-    TieredParameterSharding,
-    TierStorage,
-)
 from torchrec_mtrains.distributed.runtime import (
     init_process_group,
-    local_world_size,
     resolve_device,
 )
-from torchrec_mtrains.pipeline import LookaheadTrainPipeline, TierSnapshot, snapshot, tiered_groups
-from torchrec_mtrains.planner import plan_from_config
-from torchrec_mtrains.profiler import AccessProfile
-from torchrec_mtrains.tiers.base import OpenMode, RowStoreError
-from torchrec_mtrains.types import Tier
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tier_stats, tiered_groups
+from torchrec_mtrains.tiers.base import RowStoreError
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-EBC_PATH = "model.sparse_arch.embedding_bag_collection"
-TIER_FILE_GLOB = "*.rows"
-
-
-class ConfigError(ValueError):
-    """A configuration or input problem the user can fix; printed as one paragraph."""
 
 
 def compute_device(cfg: DictConfig) -> torch.device:
@@ -106,244 +83,6 @@ def _prepare_run_dir(cfg: DictConfig) -> Path:
             "metrics, checkpoints and tier files there: pass run.dir=<a writable directory>."
         ) from None
     return run_dir
-
-
-def _size_option(cfg: DictConfig, key: str) -> int:
-    value = OmegaConf.select(cfg, key)
-    try:
-        size = parse_bytes(value, key)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if size < 0:
-        raise ConfigError(f"{key}={value!r} is negative; give a size such as 64MB or 0")
-    return size
-
-
-def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
-    """Where the tier files go: ``hardware.tier_root`` unless ``hardware.dirs`` names a tier."""
-    hw = cfg.hardware
-    try:
-        return TierStorage(
-            root=str(hw.tier_root),
-            dirs={str(k): str(v) for k, v in hw.dirs.items()},
-            tier_options={"block_scm": {"block_size": int(hw.block_size)}},
-            open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
-        )
-    except ValueError as e:
-        raise ConfigError(f"hardware: {e}") from None
-
-
-def _check_model_config(cfg: DictConfig) -> list[int]:
-    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
-    features = int(cfg.data.get("num_sparse_features", 26))
-    if len(sizes) != features:
-        raise ConfigError(
-            f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
-            f"{features} sparse features: give one size per feature"
-        )
-    if any(n < 1 for n in sizes):
-        raise ConfigError(f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row")
-    dim = int(cfg.model.embedding_dim)
-    dense = list(cfg.model.dense_arch_layer_sizes)
-    if not dense or int(dense[-1]) != dim:
-        raise ConfigError(
-            f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: the "
-            "dense output is combined with the embeddings"
-        )
-    over = list(cfg.model.over_arch_layer_sizes)
-    if not over or int(over[-1]) != 1:
-        raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
-    return sizes
-
-
-def build_model(
-    cfg: DictConfig, world_size: int, resume: bool, device: torch.device
-) -> tuple[DistributedModelParallel, CombinedOptimizer, str]:
-    """The sharded DLRM on ``device`` (tiered tables' rows on their tiers, their caches and
-    every other table on ``device``), its combined optimizer and the plan printout."""
-    sizes = _check_model_config(cfg)
-    dim = int(cfg.model.embedding_dim)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t_cat_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"cat_{i}"]
-        )
-        for i, n in enumerate(sizes)
-    ]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dense_in = int(cfg.data.get("num_dense_features", 13))
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=dense_in,
-            dense_arch_layer_sizes=list(cfg.model.dense_arch_layer_sizes),
-            over_arch_layer_sizes=list(cfg.model.over_arch_layer_sizes),
-            dense_device=device,
-        )
-    )
-    lr = float(cfg.run.learning_rate)
-    tiered_planner = str(cfg.planner.get("name", "")) == "tiered"
-    sharder = TieredEmbeddingBagCollectionSharder(
-        build_storage(cfg, resume),
-        offer_tiered_kernel=tiered_planner,
-        fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
-    )
-    try:
-        if tiered_planner:
-            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size, device)
-        else:
-            planner = cfg.planner
-            plan, placements = size_rule_plan(
-                ebc,
-                sharder,
-                world_size,
-                dram_budget=_size_option(cfg, "planner.dram_budget"),
-                block_scm_min_bytes=_size_option(cfg, "planner.block_scm_min_bytes"),
-                cache_load_factor=float(planner.cache_load_factor),
-                cache_policy=str(planner.cache_policy),
-                device_type=device.type,
-            )
-            plan_text = format_placements(placements)
-    except ConfigError:
-        raise
-    except PlannerError as e:  # nothing fits: name the tiers that overflow and the knobs
-        over = [" ".join(line.split()) for line in str(e).splitlines() if "OVER" in line]
-        raise ConfigError(
-            f"planner: the tables fit no placement on {world_size} rank(s): "
-            f"{'; '.join(over) or str(e).splitlines()[0]} (tier, rank, demand, capacity). "
-            f"Raise planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) "
-            "or planner.byte_scm_budget, pick a hardware preset with more memory, add ranks, "
-            "or shrink model.num_embeddings_per_feature."
-        ) from None
-    except ValueError as e:  # the options' own checks
-        raise ConfigError(f"planner: {e}") from None
-    dmp = DistributedModelParallel(
-        model,
-        device=device,
-        plan=ShardingPlan({EBC_PATH: plan}),
-        sharders=[sharder],
-    )
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=lr),
-    )
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    return dmp, optimizer, plan_text
-
-
-def _tiered_plan(
-    cfg: DictConfig,
-    ebc: EmbeddingBagCollection,
-    sharder: TieredEmbeddingBagCollectionSharder,
-    world_size: int,
-    device: torch.device,
-) -> tuple[Any, str]:
-    """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
-    the tables it put on a tier (up to an eighth of each cache)."""
-    # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
-    # I/O with compute: the planner must size caches and estimate step time for that.
-    lookahead = _lookahead(cfg)
-    planned = cfg.copy()
-    with open_dict(planned):
-        planned.planner.min_cache_factor = max(
-            float(cfg.planner.get("min_cache_factor", 2.0)), 1.5 * (lookahead + 1)
-        )
-        planned.planner.overlap_tier_io = lookahead > 0
-    table_plan = plan_from_config(
-        planned,
-        ebc,
-        sharder,
-        world_size,
-        local_world_size=min(world_size, local_world_size()),
-        compute_device=device.type,
-    )
-    profile_path = str(cfg.planner.get("profile") or "")
-    if profile_path and bool(cfg.planner.get("pin_hot_rows", True)):
-        profile = AccessProfile.from_json(profile_path)
-        rows = {c.name: c.num_embeddings for c in ebc.embedding_bag_configs()}
-        hot: dict[str, list[int]] = {}
-        for name, ps in table_plan.plan.items():
-            if not isinstance(ps, TieredParameterSharding) or name not in profile:
-                continue
-            shards = max(1, len(ps.ranks or [0]))
-            room = ps.tier_options.cache_rows(rows[name] // shards) // 8
-            hot[name] = list(profile[name].hot_rows[:room])
-        sharder.hot_rows = hot
-    return table_plan.plan, str(table_plan.summary)
-
-
-def tier_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
-    """Per-table cache and tier counters of every tiered sharded module on this rank."""
-    out: dict[str, dict[str, float]] = {}
-    for module in model.modules():
-        stats = getattr(module, "tier_stats", None)
-        if callable(stats) and hasattr(module, "_tier_storage"):
-            out.update(stats())
-    return out
-
-
-def gathered_tier_stats(model: torch.nn.Module, world: int) -> dict[str, dict[str, float]]:
-    """:func:`tier_stats` of every rank merged (tables are sharded over ranks)."""
-    stats = tier_stats(model)
-    if world == 1:
-        return stats
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, stats)
-    merged: dict[str, dict[str, float]] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
-
-
-def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
-    """This rank's tier files, path -> (device, inode), to tell reopened files from new ones."""
-    roots = [Path(str(cfg.hardware.tier_root)) / t.value for t in Tier]
-    roots += [Path(str(d)) for d in cfg.hardware.dirs.values()]
-    out: dict[str, tuple[int, int]] = {}
-    for root in roots:
-        for path in (root / f"rank{rank}").glob(TIER_FILE_GLOB):
-            st = path.stat()
-            out[str(path)] = (st.st_dev, st.st_ino)
-    return out
-
-
-def _hit_rate(stats: dict[str, dict[str, float]]) -> float:
-    lookups = sum(s["lookups"] for s in stats.values())
-    return sum(s["hits"] for s in stats.values()) / lookups if lookups else 0.0
-
-
-def _checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:08d}"
-
-
-def _last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    done = sorted((run_dir / "checkpoints").glob("step_*/DONE"))
-    if not done:
-        return None
-    path = done[-1].parent
-    return int(path.name.split("_")[1]), path
-
-
-def save_checkpoint(
-    model: DistributedModelParallel, optimizer: CombinedOptimizer, run_dir: Path, step: int
-) -> Path:
-    """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
-    their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete."""
-    path = _checkpoint_dir(run_dir, step)
-    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / "DONE").write_text(str(step))
-    dist.barrier()
-    return path
-
-
-def load_checkpoint(
-    model: DistributedModelParallel, optimizer: CombinedOptimizer, path: Path
-) -> None:
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
 
 
 def _batches(cfg: DictConfig, rank: int, world: int, start: int) -> Iterator[Batch]:
@@ -409,72 +148,14 @@ def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
         ) from None
 
 
-def _lookahead(cfg: DictConfig) -> int:
-    value = OmegaConf.select(cfg, "pipeline.lookahead", default=0)
-    try:
-        lookahead = int(value)
-    except (TypeError, ValueError):
-        lookahead = -1
-    if lookahead < 0 or isinstance(value, bool):
-        raise ConfigError(
-            f"pipeline.lookahead={value!r}: give the number of batches to prefetch ahead of the "
-            "running one (0 = the plain training loop, no look-ahead)"
-        )
-    return lookahead
-
-
-def io_totals(
-    before: TierSnapshot,
-    after: TierSnapshot,
-    seconds: float,
-    world: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """Tier I/O of the training phase: ``stall_s`` the training thread spent blocked on tier
-    I/O (the slowest rank's, as the slowest rank sets the pace), ``prefetch_io_s`` and
-    ``rows_fetched`` summed over ranks, ``stall_share`` of the training time."""
-    delta = after - before
-    # On the process group's device: NCCL reduces CUDA tensors only.
-    stall = torch.tensor([delta.io.stall_seconds], dtype=torch.float64, device=device)
-    summed = torch.tensor(
-        [delta.io.io_seconds, float(delta.io.rows_fetched)], dtype=torch.float64, device=device
-    )
-    if world > 1:
-        dist.all_reduce(stall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(summed)
-    return {
-        "stall_s": float(stall[0]),
-        "prefetch_io_s": float(summed[0]),
-        "rows_fetched": int(summed[1]),
-        "stall_share": float(stall[0]) / seconds if seconds > 0 else 0.0,
-    }
-
-
-def _resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path] | None:
-    last = _last_checkpoint(run_dir)
-    if cfg.run.resume:
-        if last is None:
-            raise ConfigError(
-                f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint: "
-                "point run.dir at an earlier run's directory, or drop run.resume."
-            )
-        return last
-    if last is not None or tier_files(cfg, rank):
-        raise ConfigError(
-            f"run.dir={run_dir} already holds a run (checkpoints or tier files): pass "
-            "run.resume=true to continue it, or choose a new run.dir."
-        )
-    return None
-
-
 def _train(
     cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
 ) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
-    lookahead = _lookahead(cfg)
+    lookahead = lookahead_depth(cfg)
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    last = _resume_point(cfg, run_dir, rank)
+    last = resume_point(cfg, run_dir, rank)
     start = last[0] if last is not None else 0
     batches = _batches(cfg, rank, world, start)
     files_before = tier_files(cfg, rank)
@@ -538,7 +219,7 @@ def _train(
                 bar.set_postfix(
                     samples_s=f"{rate:,.0f}",
                     loss=f"{losses[-1]:.4f}",
-                    hit=f"{_hit_rate(tier_stats(model)):.3f}",
+                    hit=f"{hit_rate(tier_stats(model)):.3f}",
                     stall=f"{so_far.io.stall_seconds / (time.perf_counter() - timed_start):.1%}",
                 )
             bar.update(1)
@@ -572,7 +253,7 @@ def _train(
         "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
         "eval_auc": auc,
         "eval_ne": ne,
-        "cache_hit_rate": _hit_rate(stats),
+        "cache_hit_rate": hit_rate(stats),
         "lookahead": lookahead,
         **io_train,
         "tables": stats,
@@ -617,109 +298,6 @@ def _pipelined_step(
         return float(loss), int(labels.numel())
 
     return step
-
-
-@torch.no_grad()
-def evaluate(
-    model: DistributedModelParallel, batches: Iterator[Batch], count: int, device: torch.device
-) -> tuple[float | None, float | None]:
-    """AUC and normalized entropy on ``count`` batches not trained on (all ranks gathered)."""
-    if count <= 0:
-        return None, None
-    model.eval()
-    logits_all, labels_all = [], []
-    for _ in range(count):
-        try:
-            batch = next(batches).to(device, non_blocking=True)
-        except StopIteration:
-            break
-        _, (_, logits, labels) = model(batch)
-        logits_all.append(logits.flatten())
-        labels_all.append(labels.flatten())
-    model.train()
-    if not logits_all:
-        return None, None
-    logits = torch.cat(logits_all)
-    labels = torch.cat(labels_all)
-    if dist.get_world_size() > 1:
-        gathered_l = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
-        gathered_y = [torch.empty_like(labels) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered_l, logits)
-        dist.all_gather(gathered_y, labels)
-        logits, labels = torch.cat(gathered_l), torch.cat(gathered_y)
-    logits, labels = logits.float().cpu(), labels.float().cpu()
-    auc = float(BinaryAUROC()(torch.sigmoid(logits), labels.long()))
-    bce = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
-    p = float(labels.mean())
-    if not 0.0 < p < 1.0:
-        return auc, None
-    base = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    ne = bce / base
-    return auc, ne
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
-def summary(metrics: dict[str, Any], run_dir: Path) -> str:
-    """The end-of-run table: throughput, quality and per-tier traffic."""
-    lines = [
-        "",
-        "=== summary ===",
-        f"steps             {metrics['steps']}",
-        f"throughput        {metrics['samples_per_s']:,.0f} samples/s",
-        f"eval AUC          {_fmt(metrics['eval_auc'])}",
-        f"eval NE           {_fmt(metrics['eval_ne'])}",
-        f"cache hit rate    {metrics['cache_hit_rate']:.3f}",
-        f"tier stall        {metrics['stall_s']:.2f} s, {metrics['stall_share']:.1%} of "
-        f"training (look-ahead {metrics['lookahead'] or 'off'}; prefetch I/O "
-        f"{metrics['prefetch_io_s']:.2f} s, {metrics['rows_fetched']:,} rows fetched)",
-        "time (s)          "
-        + ", ".join(f"{k} {v:.1f}" for k, v in metrics.get("seconds", {}).items()),
-        f"{'table':<14}{'hit rate':>10}{'MB read':>10}{'MB written':>12}",
-    ]
-    for name, s in sorted(metrics["tables"].items()):
-        lines.append(
-            f"{name:<14}{s['hit_rate']:>10.3f}{s['tier_bytes_read'] / 2**20:>10.1f}"
-            f"{s['tier_bytes_written'] / 2**20:>12.1f}"
-        )
-    lines.append(
-        f"outputs in {run_dir.resolve()}: plan.txt, config.yaml, metrics.json, checkpoints/, tiers/"
-    )
-    return "\n".join(lines)
-
-
-# Errors a user fixes by changing the command line, printed as one paragraph: ours, Hydra's
-# composition errors (unknown preset, bad override syntax) and OmegaConf's (unknown key,
-# failed interpolation).
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError,
-    HydraException,
-    OmegaConfBaseException,
-)
-
-
-def one_paragraph(error: BaseException) -> str:
-    """The error's message as one paragraph: lines become sentences, an indented listing after
-    a ``...:`` line becomes a comma-separated list, and the config search path Hydra appends to
-    a missing-preset message is dropped."""
-    text = str(error).split("Config search path:")[0]
-    parts: list[str] = []
-    listing = False
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if raw[:1].isspace() and parts and (listing or parts[-1].endswith(":")):
-            parts[-1] += (", " if listing else " ") + line
-            listing = True
-            continue
-        listing = False
-        if parts and parts[-1][-1] not in ".:;,!?":
-            parts[-1] += "."
-        parts.append(line)
-    return " ".join(parts) or type(error).__name__
 
 
 def _exit_with(error: BaseException) -> NoReturn:

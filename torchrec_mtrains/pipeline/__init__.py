@@ -2,6 +2,19 @@
 while the current batch trains (cDLRM), on TorchRec's pipeline machinery."""
 
 from torchrec_mtrains.pipeline.lookahead import LookaheadTrainPipeline
-from torchrec_mtrains.pipeline.stats import StepStats, TierSnapshot, snapshot, tiered_groups
+from torchrec_mtrains.pipeline.stats import (
+    StepStats,
+    TierSnapshot,
+    snapshot,
+    tier_stats,
+    tiered_groups,
+)
 
-__all__ = ["LookaheadTrainPipeline", "StepStats", "TierSnapshot", "snapshot", "tiered_groups"]
+__all__ = [
+    "LookaheadTrainPipeline",
+    "StepStats",
+    "TierSnapshot",
+    "snapshot",
+    "tier_stats",
+    "tiered_groups",
+]

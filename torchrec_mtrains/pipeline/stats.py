@@ -100,6 +100,16 @@ def tiered_groups(model: nn.Module) -> list[TieredTableGroup]:
     return out
 
 
+def tier_stats(model: nn.Module) -> dict[str, dict[str, float]]:
+    """Cache and tier counters of every tiered table shard in ``model`` on this rank, keyed by
+    table (``<table>@<row>,<col>`` for shards other than a table's first): hits, misses,
+    evictions, write-backs, hit rate, cache and pinned rows, and the tier's ``tier_*`` I/O."""
+    out: dict[str, dict[str, float]] = {}
+    for group in tiered_groups(model):
+        out.update(group.stats())
+    return out
+
+
 def snapshot(groups: Iterable[TieredTableGroup]) -> TierSnapshot:
     """Current cumulative counters summed over ``groups``."""
     io = TierIOCounters()

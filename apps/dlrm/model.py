@@ -1,0 +1,214 @@
+"""The app's model: the DLRM, its sharding plan (size rule or the tiered planner), the tier
+storage the plan's tiered tables use, and the optimizers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.types import ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from apps.dlrm.errors import ConfigError
+from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
+from torchrec_mtrains.distributed import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TierStorage,
+)
+from torchrec_mtrains.distributed.runtime import local_world_size
+from torchrec_mtrains.planner import plan_from_config
+from torchrec_mtrains.profiler import AccessProfile
+from torchrec_mtrains.tiers.base import OpenMode
+
+logger: logging.Logger = logging.getLogger(__name__)
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+
+
+def size_option(cfg: DictConfig, key: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    try:
+        size = parse_bytes(value, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if size < 0:
+        raise ConfigError(f"{key}={value!r} is negative; give a size such as 64MB or 0")
+    return size
+
+
+def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
+    """Where the tier files go: ``hardware.tier_root`` unless ``hardware.dirs`` names a tier."""
+    hw = cfg.hardware
+    try:
+        return TierStorage(
+            root=str(hw.tier_root),
+            dirs={str(k): str(v) for k, v in hw.dirs.items()},
+            tier_options={"block_scm": {"block_size": int(hw.block_size)}},
+            open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
+        )
+    except ValueError as e:
+        raise ConfigError(f"hardware: {e}") from None
+
+
+def check_model_config(cfg: DictConfig) -> list[int]:
+    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
+    features = int(cfg.data.get("num_sparse_features", 26))
+    if len(sizes) != features:
+        raise ConfigError(
+            f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
+            f"{features} sparse features: give one size per feature"
+        )
+    if any(n < 1 for n in sizes):
+        raise ConfigError(f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row")
+    dim = int(cfg.model.embedding_dim)
+    dense = list(cfg.model.dense_arch_layer_sizes)
+    if not dense or int(dense[-1]) != dim:
+        raise ConfigError(
+            f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: the "
+            "dense output is combined with the embeddings"
+        )
+    over = list(cfg.model.over_arch_layer_sizes)
+    if not over or int(over[-1]) != 1:
+        raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
+    return sizes
+
+
+def build_model(
+    cfg: DictConfig, world_size: int, resume: bool, device: torch.device
+) -> tuple[DistributedModelParallel, CombinedOptimizer, str]:
+    """The sharded DLRM on ``device`` (tiered tables' rows on their tiers, their caches and
+    every other table on ``device``), its combined optimizer and the plan printout."""
+    sizes = check_model_config(cfg)
+    dim = int(cfg.model.embedding_dim)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_cat_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"cat_{i}"]
+        )
+        for i, n in enumerate(sizes)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dense_in = int(cfg.data.get("num_dense_features", 13))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=dense_in,
+            dense_arch_layer_sizes=list(cfg.model.dense_arch_layer_sizes),
+            over_arch_layer_sizes=list(cfg.model.over_arch_layer_sizes),
+            dense_device=device,
+        )
+    )
+    lr = float(cfg.run.learning_rate)
+    tiered_planner = str(cfg.planner.get("name", "")) == "tiered"
+    sharder = TieredEmbeddingBagCollectionSharder(
+        build_storage(cfg, resume),
+        offer_tiered_kernel=tiered_planner,
+        fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
+    )
+    try:
+        if tiered_planner:
+            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size, device)
+        else:
+            planner = cfg.planner
+            plan, placements = size_rule_plan(
+                ebc,
+                sharder,
+                world_size,
+                dram_budget=size_option(cfg, "planner.dram_budget"),
+                block_scm_min_bytes=size_option(cfg, "planner.block_scm_min_bytes"),
+                cache_load_factor=float(planner.cache_load_factor),
+                cache_policy=str(planner.cache_policy),
+                device_type=device.type,
+            )
+            plan_text = format_placements(placements)
+    except ConfigError:
+        raise
+    except PlannerError as e:  # nothing fits: name the tiers that overflow and the knobs
+        over = [" ".join(line.split()) for line in str(e).splitlines() if "OVER" in line]
+        raise ConfigError(
+            f"planner: the tables fit no placement on {world_size} rank(s): "
+            f"{'; '.join(over) or str(e).splitlines()[0]} (tier, rank, demand, capacity). "
+            f"Raise planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) "
+            "or planner.byte_scm_budget, pick a hardware preset with more memory, add ranks, "
+            "or shrink model.num_embeddings_per_feature."
+        ) from None
+    except ValueError as e:  # the options' own checks
+        raise ConfigError(f"planner: {e}") from None
+    dmp = DistributedModelParallel(
+        model,
+        device=device,
+        plan=ShardingPlan({EBC_PATH: plan}),
+        sharders=[sharder],
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=lr),
+    )
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    return dmp, optimizer, plan_text
+
+
+def _tiered_plan(
+    cfg: DictConfig,
+    ebc: EmbeddingBagCollection,
+    sharder: TieredEmbeddingBagCollectionSharder,
+    world_size: int,
+    device: torch.device,
+) -> tuple[Any, str]:
+    """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
+    the tables it put on a tier (up to an eighth of each cache)."""
+    # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
+    # I/O with compute: the planner must size caches and estimate step time for that.
+    lookahead = lookahead_depth(cfg)
+    planned = cfg.copy()
+    with open_dict(planned):
+        planned.planner.min_cache_factor = max(
+            float(cfg.planner.get("min_cache_factor", 2.0)), 1.5 * (lookahead + 1)
+        )
+        planned.planner.overlap_tier_io = lookahead > 0
+    table_plan = plan_from_config(
+        planned,
+        ebc,
+        sharder,
+        world_size,
+        local_world_size=min(world_size, local_world_size()),
+        compute_device=device.type,
+    )
+    profile_path = str(cfg.planner.get("profile") or "")
+    if profile_path and bool(cfg.planner.get("pin_hot_rows", True)):
+        profile = AccessProfile.from_json(profile_path)
+        rows = {c.name: c.num_embeddings for c in ebc.embedding_bag_configs()}
+        hot: dict[str, list[int]] = {}
+        for name, ps in table_plan.plan.items():
+            if not isinstance(ps, TieredParameterSharding) or name not in profile:
+                continue
+            shards = max(1, len(ps.ranks or [0]))
+            room = ps.tier_options.cache_rows(rows[name] // shards) // 8
+            hot[name] = list(profile[name].hot_rows[:room])
+        sharder.hot_rows = hot
+    return table_plan.plan, str(table_plan.summary)
+
+
+def lookahead_depth(cfg: DictConfig) -> int:
+    value = OmegaConf.select(cfg, "pipeline.lookahead", default=0)
+    try:
+        lookahead = int(value)
+    except (TypeError, ValueError):
+        lookahead = -1
+    if lookahead < 0 or isinstance(value, bool):
+        raise ConfigError(
+            f"pipeline.lookahead={value!r}: give the number of batches to prefetch ahead of the "
+            "running one (0 = the plain training loop, no look-ahead)"
+        )
+    return lookahead
