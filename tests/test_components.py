@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from torchx.components.component_test_base import ComponentTestCase
 from torchx.specs import AppDef, macros
+from torchx.specs.finder import ModuleComponentsFinder, get_components
 
 from torchrec_mtrains import components
 from torchrec_mtrains.components import dlrm
@@ -20,6 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # Small tables on all three tiers (see tests/apps/dlrm/test_train.py for the arithmetic).
 SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
+
+
+def test_registering_ours_keeps_torchx_builtins() -> None:
+    # torchx falls back to its builtins only when no package registers components: ours must
+    # not hide dist.ddp, utils.echo and the rest from an existing torchx workflow.
+    builtins = {
+        c.name
+        for c in ModuleComponentsFinder("torchx.components", "").find()
+        if not c.validation_errors
+    }
+    found = set(get_components())
+    assert "mtrains.dlrm" in found
+    assert {"dist.ddp", "utils.echo"} <= builtins
+    assert builtins <= found, f"missing builtins: {sorted(builtins - found)}"
 
 
 class DlrmComponentTest(ComponentTestCase):
