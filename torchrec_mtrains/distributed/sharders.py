@@ -82,15 +82,37 @@ class _TieredSharderMixin:
         self._hot_rows = dict(hot_rows or {})
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """TorchRec's kernels, exactly as its own sharder offers them, so that TorchRec's stock
+        planner plans a model without tiered tables as it would without this plugin.
+
+        Raises:
+            ValueError: when the sharder offers the tiered kernel: only the tiered planner can
+                estimate it (TorchRec's stock planner calls this method; ours calls
+                :meth:`planner_compute_kernels`).
+        """
+        if self._offer_tiered:
+            raise ValueError(
+                f"{type(self).__name__}(offer_tiered_kernel=True) is being asked for kernels "
+                "by a planner other than the tiered one, and TorchRec's stock planner cannot "
+                "place or estimate tables on a storage tier: plan with "
+                "torchrec_mtrains.planner.TieredShardingPlanner (or plan_tables), or build the "
+                "sharder with offer_tiered_kernel=False to get TorchRec's own plan"
+            )
+        return list(super().compute_kernels(sharding_type, compute_device_type))  # type: ignore[misc]
+
+    def planner_compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The kernels the tiered planner may choose: TorchRec's, plus the tiered kernel for the
+        sharding types it runs when ``offer_tiered_kernel`` is set."""
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))  # type: ignore[misc]
         if self._offer_tiered and sharding_type in _TIERED_SHARDING_TYPES:
             kernels.append(TIERED_KERNEL)
         return kernels
 
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        types = list(super().sharding_types(compute_device_type))  # type: ignore[misc]
-        # TorchRec leaves row-wise out on CPU; it runs there over gloo (reduce-scatter and
-        # all-to-all), and the parity suite checks it, so plans may use it.
+    def planner_sharding_types(self, compute_device_type: str) -> list[str]:
+        """The sharding types the tiered planner may choose: TorchRec's, plus row-wise on CPU,
+        which TorchRec leaves out there although it runs over gloo (reduce-scatter and
+        all-to-all; the parity suite checks it). :meth:`sharding_types` stays TorchRec's own."""
+        types = list(self.sharding_types(compute_device_type))
         if ShardingType.ROW_WISE.value not in types:
             types.append(ShardingType.ROW_WISE.value)
         return types
@@ -116,9 +138,11 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         storage: where tier files go (default: ``runs/tiers`` under the working directory).
         hot_rows: per tiered table, global row ids to keep resident in its cache for good
             (FAE's hot set, e.g. ``TableProfile.hot_rows`` from the access profiler).
-        offer_tiered_kernel: list the tiered kernel in ``compute_kernels()`` so a planner may
-            choose it. TorchRec's stock planner cannot estimate it, so this is for the tiered
-            planner; hand-written plans work either way.
+        offer_tiered_kernel: let the tiered planner choose the tiered kernel (it asks
+            :meth:`planner_compute_kernels`). TorchRec's stock planner cannot estimate that
+            kernel, so with this set it gets an error naming the tiered planner; without it,
+            the stock planner plans exactly as with TorchRec's sharder. Hand-written plans work
+            either way.
         fused_params: as for TorchRec's sharder (optimizer, learning rate, ...).
 
     Example::

@@ -49,6 +49,24 @@ _UVM = EmbeddingComputeKernel.FUSED_UVM.value
 _UVM_CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 
+def offered_sharding_types(sharder: ModuleSharder[nn.Module], device: str) -> list[str]:
+    """What ``sharder`` offers this planner: a tiered sharder's planner-only offer (row-wise on
+    CPU too), else TorchRec's ``sharding_types``."""
+    offer = getattr(sharder, "planner_sharding_types", None)
+    return list(offer(device) if callable(offer) else sharder.sharding_types(device))
+
+
+def offered_kernels(
+    sharder: ModuleSharder[nn.Module], sharding_type: str, device: str
+) -> list[str]:
+    """What ``sharder`` offers this planner: a tiered sharder's planner-only offer (with the
+    tiered kernel), else TorchRec's ``compute_kernels``."""
+    offer = getattr(sharder, "planner_compute_kernels", None)
+    if callable(offer):
+        return list(offer(sharding_type, device))
+    return list(sharder.compute_kernels(sharding_type, device))
+
+
 def kernel_for(placement: Placement, on_gpu: bool) -> str:
     """The compute kernel name a placement uses in a TorchRec plan."""
     if placement is Placement.FUSED_HBM:
@@ -131,7 +149,7 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
         ctx = self.context
         if ctx.world_size == 1 or not ctx.config.split_tables:
             return []
-        offered = sharder.sharding_types(ctx.host.compute_device)
+        offered = offered_sharding_types(sharder, ctx.host.compute_device)
         out = []
         if _RW in offered and rows >= ctx.world_size:
             out.append(_RW)
@@ -201,10 +219,10 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
                 types = [_TW, *self._split_types(sharder, rows, cols)]
                 per_table: list[ShardingOption] = []
                 for sharding_type in types:
-                    if sharding_type not in sharder.sharding_types(device):
+                    if sharding_type not in offered_sharding_types(sharder, device):
                         continue
                     sizes, offsets = self._geometry(param, sharding_type)
-                    for kernel in sharder.compute_kernels(sharding_type, device):
+                    for kernel in offered_kernels(sharder, sharding_type, device):
                         for placement in _placements(kernel, ctx):
                             per_table.append(
                                 TieredShardingOption(
@@ -232,7 +250,7 @@ class TieredEnumerator(Enumerator):  # type: ignore[misc]
                     raise ValueError(
                         f"table {name!r}: sharder {type(sharder).__name__} offers no kernel the "
                         f"tiered planner can place on {device} (offered for table-wise: "
-                        f"{sharder.compute_kernels(_TW, device)}); build the sharder with "
+                        f"{offered_kernels(sharder, _TW, device)}); build the sharder with "
                         "offer_tiered_kernel=True"
                     )
                 options.extend(per_table)

@@ -51,7 +51,7 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.sharders import TieredEmbeddingBagCollectionSharder
 from torchrec_mtrains.planner.access import TableAccess
-from torchrec_mtrains.planner.enumerators import TieredEnumerator
+from torchrec_mtrains.planner.enumerators import TieredEnumerator, offered_kernels
 from torchrec_mtrains.planner.partitioners import TierPartitioner, TierPerfModel
 from torchrec_mtrains.planner.perf_model import Placement
 from torchrec_mtrains.planner.proposers import TierDemotionProposer
@@ -259,7 +259,7 @@ class TablePlan(NamedTuple):
 
 
 def _sharder_offers_tiers(sharder: ModuleSharder[nn.Module], device: str) -> bool:
-    return TIERED_KERNEL in sharder.compute_kernels("table_wise", device)
+    return TIERED_KERNEL in offered_kernels(sharder, "table_wise", device)
 
 
 def plan_tables(
