@@ -31,27 +31,24 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -68,7 +65,9 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.pipeline import tier_stats
 from torchrec_mtrains.planner import (
     HostTopology,
     Placement,
@@ -92,27 +91,6 @@ STATE_WIDTH = 1  # row-wise Adagrad
 
 
 # ------------------------------------------------------------------------------- plumbing
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def process_group() -> Iterator[None]:
-    """A one-rank gloo group (DistributedModelParallel needs one), unless one exists."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 Placements = dict[str, tuple[str, float]]
@@ -199,15 +177,6 @@ def train_step(model: DistributedModelParallel, kjt: KeyedJaggedTensor) -> None:
     out = model(kjt)
     out = out.wait() if hasattr(out, "wait") else out
     out.values().sum().backward()
-
-
-def tier_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for module in model.modules():
-        stats = getattr(module, "tier_stats", None)
-        if callable(stats) and hasattr(module, "_tier_storage"):
-            out.update(stats())
-    return out
 
 
 def run_steps(

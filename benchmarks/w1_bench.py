@@ -56,7 +56,6 @@ import mmap
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     OptimType,
     SplitTableBatchedEmbeddingBagsCodegen,
@@ -98,6 +96,7 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.planner import (
@@ -263,12 +262,6 @@ class W1Model(nn.Module):
         logit = self.over(x).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
         return loss, (loss.detach(), logit.detach())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -743,10 +736,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     steps = Steps(**spec.steps)
     directory = Path(spec.directory)
     result: dict[str, Any] = {"variant": spec.variant, "budget_fraction": spec.budget_fraction}
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
+    with process_group():
         t0 = time.perf_counter()
         sizes = probe_sizes(wl) if spec.variant == "probe" else list(wl.sizes)
         if spec.variant in ("A", "probe"):
@@ -781,8 +771,6 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         result["close_s"] = time.perf_counter() - t0
         result["peak_rss_after_close_bytes"] = ProcessCounters.peak_rss_bytes()
         write_json(Path(spec.out), result)
-    finally:
-        dist.destroy_process_group()
     return result
 
 

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from torchrec_mtrains.distributed.runtime import free_port
+from torchrec_mtrains.distributed.runtime import process_group
 
 
 def test_backend() -> str:
@@ -26,18 +25,9 @@ test_backend.__test__ = False  # type: ignore[attr-defined]
 def one_rank_process_group() -> Iterator[None]:
     """A one-rank process group for DistributedModelParallel, for a whole test module (kept if
     one already exists)."""
-    if dist.is_initialized():
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    with process_group(device, backend=test_backend()):
         yield
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        test_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
@@ -55,10 +53,12 @@ from torchrec_mtrains.distributed.options import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,
 )
+from torchrec_mtrains.pipeline import tier_stats
 
 STEPS = 50
 BATCH = 8
@@ -469,16 +469,6 @@ def compare(ref: DistributedModelParallel, tie: DistributedModelParallel) -> dic
     return {**compare_optimizer(ref, tie), **compare_weights(ref, tie)}
 
 
-def tier_stats(model: nn.Module) -> dict[str, dict[str, float]]:
-    """Statistics of every tiered table shard in ``model``, found by walking its modules."""
-    out: dict[str, dict[str, float]] = {}
-    for module in model.modules():
-        stats = getattr(module, "tier_stats", None)
-        if callable(stats) and hasattr(module, "_tier_storage"):
-            out.update(stats())
-    return out
-
-
 def tiered_shards_here(
     case: ParityCase, world_size: int, model: nn.Module, planned: list[int]
 ) -> dict[str, dict[str, int]]:
@@ -550,43 +540,28 @@ def run_case(case: ParityCase, rank: int, world_size: int, root: Path) -> CaseRe
 # --------------------------------------------------------------------- process groups
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_group(rank: int, world_size: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=timedelta(seconds=120),
-    )
-
-
 def _rank_main(
     rank: int, world_size: int, port: int, cases: Sequence[ParityCase], root: str, out: str
 ) -> None:
     torch.set_num_threads(1)
-    init_group(rank, world_size, port)
-    results: list[dict[str, Any]] = []
-    try:
-        for i, case in enumerate(cases):
-            case_root = Path(root) / f"case{i}"
-            try:
-                results.append(run_case(case, rank, world_size, case_root).as_dict())
-            except Exception:
-                # Ranks run the same cases in the same order; after a failure the process group
-                # may be out of step, so the remaining cases are reported as not run.
-                results.append(
-                    CaseResult(case, rank, {}, {}, {}, [], traceback.format_exc()).as_dict()
-                )
-                break
-    finally:
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    with process_group(
+        backend="gloo", rank=rank, world_size=world_size, port=port, timeout=timedelta(seconds=120)
+    ):
+        results: list[dict[str, Any]] = []
+        try:
+            for i, case in enumerate(cases):
+                case_root = Path(root) / f"case{i}"
+                try:
+                    results.append(run_case(case, rank, world_size, case_root).as_dict())
+                except Exception:
+                    # Ranks run the same cases in the same order; after a failure the process group
+                    # may be out of step, so the remaining cases are reported as not run.
+                    results.append(
+                        CaseResult(case, rank, {}, {}, {}, [], traceback.format_exc()).as_dict()
+                    )
+                    break
+        finally:
+            torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def spawn_cases(

@@ -4,7 +4,6 @@ for weights and optimizer state on every tier, with memory bounded by chunks, no
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -12,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
@@ -35,16 +33,11 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.tiers import TIERS
 
 TIER_NAMES = sorted(TIERS)
 FUSED = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -313,13 +306,10 @@ def test_dram_tables_beside_tiered_ones_checkpoint_in_chunks(tmp_path: Path) -> 
 
 
 def _ws2_worker(rank: int, port: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with process_group(backend="gloo", rank=rank, world_size=2, port=port):
         for tier in TIER_NAMES:
             for big_plan in ("tw", "cw"):
                 _ws2_case(Path(root) / f"{tier}-{big_plan}", tier, big_plan, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 def _ws2_case(base: Path, tier: str, big_plan: str, rank: int) -> None:
@@ -348,4 +338,4 @@ def _ws2_case(base: Path, tier: str, big_plan: str, rank: int) -> None:
 @pytest.mark.slow
 def test_world_size_two(tmp_path: Path) -> None:
     """DCP and state_dict round trips at world size 2, table-wise and column-wise, all tiers."""
-    mp.spawn(_ws2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ws2_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

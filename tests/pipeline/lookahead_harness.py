@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 import threading
 import traceback
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -43,6 +41,7 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tiered_groups
 
@@ -337,37 +336,26 @@ def run_case(case: Case, rank: int, world_size: int, root: Path) -> RankResult:
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(
     rank: int, world_size: int, port: int, cases: Sequence[Case], root: str, out: str
 ) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world_size,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=timedelta(seconds=120),
-    )
-    results: list[dict[str, Any]] = []
-    try:
-        for i, case in enumerate(cases):
-            try:
-                results.append(asdict(run_case(case, rank, world_size, Path(root) / f"c{i}")))
-            except Exception:
-                # Ranks run the same cases in order; after a failure they may be out of step.
-                failed = RankResult(case, rank, {}, 0, 0, 0, 0, 0, 0.0, [], False)
-                failed.error = traceback.format_exc()
-                results.append(asdict(failed))
-                break
-    finally:
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    with process_group(
+        backend="gloo", rank=rank, world_size=world_size, port=port, timeout=timedelta(seconds=120)
+    ):
+        results: list[dict[str, Any]] = []
+        try:
+            for i, case in enumerate(cases):
+                try:
+                    results.append(asdict(run_case(case, rank, world_size, Path(root) / f"c{i}")))
+                except Exception:
+                    # Ranks run the same cases in order; after a failure they may be out of step.
+                    failed = RankResult(case, rank, {}, 0, 0, 0, 0, 0, 0.0, [], False)
+                    failed.error = traceback.format_exc()
+                    results.append(asdict(failed))
+                    break
+        finally:
+            torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def spawn_cases(cases: Sequence[Case], world_size: int, root: Path) -> list[list[dict[str, Any]]]:

@@ -7,11 +7,14 @@ in the environment; a process started alone forms a one-rank group on a free loo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,7 +91,15 @@ class ProcessGroupInfo:
     created: bool
 
 
-def init_process_group(device: torch.device, timeout: timedelta | None = None) -> ProcessGroupInfo:
+def init_process_group(
+    device: torch.device,
+    timeout: timedelta | None = None,
+    *,
+    backend: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    port: int | None = None,
+) -> ProcessGroupInfo:
     """Joins the job's default process group with the backend for ``device``, or forms a
     one-rank group when the process was started alone; reuses a group that already exists.
 
@@ -96,13 +107,35 @@ def init_process_group(device: torch.device, timeout: timedelta | None = None) -
         device: this rank's compute device; on CUDA it becomes the current device first, as
             NCCL's collectives need.
         timeout: how long a collective may wait for the other ranks (torch's default if None).
+        backend: the group's backend, default :func:`backend_for` ``device``
+            (``cpu:gloo,cuda:nccl`` gives one group that reduces tensors of both kinds).
+        rank / world_size / port: join ``world_size`` processes meeting on loopback ``port``
+            (ranks a test or benchmark spawned itself); by default the torchrun environment
+            says where to meet, and a process started alone forms a group of one.
+
+    Raises:
+        ValueError: when only some of ``rank``, ``world_size`` and ``port`` are given.
     """
+    explicit = (rank, world_size, port)
+    if any(v is not None for v in explicit) and any(v is None for v in explicit):
+        raise ValueError(
+            f"rank={rank}, world_size={world_size}, port={port}: give all three to meet on "
+            "loopback, or none to use the torchrun environment"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), device, False)
-    backend = backend_for(device)
-    if "WORLD_SIZE" in os.environ:
+    backend = backend or backend_for(device)
+    if rank is not None and world_size is not None:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(
@@ -116,3 +149,23 @@ def init_process_group(device: torch.device, timeout: timedelta | None = None) -
         "rank %d of %d on %s (%s)", dist.get_rank(), dist.get_world_size(), device, backend
     )
     return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), device, True)
+
+
+@contextlib.contextmanager
+def process_group(
+    device: torch.device | None = None, timeout: timedelta | None = None, **where: Any
+) -> Iterator[ProcessGroupInfo]:
+    """:func:`init_process_group` (``device`` default: the CPU) for the ``with`` block; the
+    group is destroyed at its end if this call formed it.
+
+    Example::
+
+        with process_group() as group:  # DistributedModelParallel needs a group, even of one
+            model = DistributedModelParallel(module, device=group.device)
+    """
+    info = init_process_group(device or torch.device("cpu"), timeout, **where)
+    try:
+        yield info
+    finally:
+        if info.created and dist.is_initialized():
+            dist.destroy_process_group()

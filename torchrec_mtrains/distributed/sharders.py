@@ -112,7 +112,7 @@ class _TieredSharderMixin:
         """The sharding types the tiered planner may choose: TorchRec's, plus row-wise on CPU,
         which TorchRec leaves out there although it runs over gloo (reduce-scatter and
         all-to-all; the parity suite checks it). :meth:`sharding_types` stays TorchRec's own."""
-        types = list(self.sharding_types(compute_device_type))
+        types = list(super().sharding_types(compute_device_type))  # type: ignore[misc]
         if ShardingType.ROW_WISE.value not in types:
             types.append(ShardingType.ROW_WISE.value)
         return types
