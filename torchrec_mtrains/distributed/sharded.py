@@ -146,7 +146,10 @@ class _TieredShardedMixin:
         return super().input_dist(ctx, features)  # type: ignore[misc]
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        super()._initialize_torch_state(skip_registering)  # type: ignore[misc]
+        if skip_registering:
+            super()._initialize_torch_state(skip_registering=True)  # type: ignore[misc]
+        else:  # torchrec 1.6.1's ShardedEmbeddingCollection takes no argument
+            super()._initialize_torch_state()  # type: ignore[misc]
         self._register_tiered_state()
         self._chunk_other_tables()
         if not skip_registering:

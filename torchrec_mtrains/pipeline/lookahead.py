@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Generic, TypeVar
 
 import torch
+from torch.autograd.profiler import record_function
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
@@ -177,7 +178,9 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
             self._distribute_and_prefetch(self.batches[-1], self.contexts[-1])
         if training:
             self._backward(losses)
-            self._optimizer_step()
+            # torchrec 1.6.1 (the CUDA host's) has no _optimizer_step to call.
+            with record_function(f"## optimizer {self.contexts[0].index} ##"):
+                self._optimizer.step()
         self.dequeue_batch()
         self._record(
             StepStats.between(before, snapshot(self.groups), time.perf_counter() - started)
