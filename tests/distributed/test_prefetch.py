@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,9 @@ def test_background_planning_refuses_in_the_forward_and_training_goes_on(tmp_pat
     for kjt in data:  # planned on the worker: prefetching returns at once, even when unfit
         f = big_features(kjt)
         group.prefetch(f.values(), f.length_per_key())
+    # The worker plans every batch before the first forward, so the holds pile up and the
+    # cache refuses one on a loaded machine too (training used to catch up with the worker).
+    futures.wait([b.io for b in group._pending if b.io is not None])
     ran = 0
     with pytest.raises(CacheTooSmallError, match="held by batches in flight"):
         for kjt in data:
