@@ -193,19 +193,22 @@ class _TieredKernelMixin:
                     swap_aliases(value, registry)
 
     def _remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        if features.variable_stride_per_key():
-            raise NotImplementedError("tiered tables do not support variable batch sizes per key")
         train = self.training and torch.is_grad_enabled()
         slots = self.tiers.remap(features.values(), features.length_per_key(), train)
+        # Only the ids change: the batch layout, variable batch per feature (VBE) included,
+        # goes to fbgemm as it came.
+        variable = features.variable_stride_per_key()
         return KeyedJaggedTensor(
             keys=features.keys(),
             values=slots,
             weights=features.weights_or_none(),
             lengths=features.lengths(),
             offsets=features.offsets(),
-            stride=features.stride(),
+            stride=None if variable else features.stride(),
+            stride_per_key_per_rank=features.stride_per_key_per_rank() if variable else None,
             length_per_key=features.length_per_key(),
             offset_per_key=features.offset_per_key(),
+            inverse_indices=features.inverse_indices_or_none(),
         )
 
     def _watch_backward(self, out: torch.Tensor) -> torch.Tensor:
@@ -304,7 +307,14 @@ class TieredEmbeddingBag(
         vbe_output: torch.Tensor | None = None,
         vbe_output_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = BaseBatchedEmbeddingBag.forward(self, self._remap(features))
+        # With variable batch per feature and several kernels in a lookup, TorchRec hands each
+        # kernel the output so far to fill in (``vbe_output``); fbgemm does that on CUDA only.
+        out = BaseBatchedEmbeddingBag.forward(
+            self,
+            self._remap(features),
+            vbe_output=vbe_output,
+            vbe_output_offsets=vbe_output_offsets,
+        )
         return self._watch_backward(cast(torch.Tensor, out))
 
 
