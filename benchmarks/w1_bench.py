@@ -513,11 +513,7 @@ def tiered_plan(
     host.dram.capacity = str(parse_size(host.dram_reserved) + budget_bytes)
     configs = wl.configs()
     access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
-    # With look-ahead k a cache holds k + 1 batches' rows at once (the running one and k
-    # prefetched): the planner's smallest cache must allow that.
-    config = PlannerConfig(
-        overlap_tier_io=lookahead > 0, min_cache_factor=max(2.0, lookahead + 1.5)
-    )
+    config = PlannerConfig().for_lookahead(lookahead)
     plan, summary = plan_tables(
         configs, host, 1, wl.batch_size, None, sharder, access=access, config=config
     )

@@ -38,6 +38,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from torchrec_mtrains.planner import parse_size
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     MemoryCgroup,
@@ -50,13 +52,6 @@ from _common import (
 REPO = Path(__file__).resolve().parents[1]
 STATE_WIDTH = 1  # row-wise Adagrad
 TARGET_RATIO = 3.0
-
-
-def parse_size(text: str) -> int:
-    """``4GiB`` / ``4GB`` / ``512MiB`` / bytes -> bytes (binary units, as the app reads them)."""
-    from apps.dlrm.placement import parse_bytes
-
-    return parse_bytes(text, "size")
 
 
 def table_bytes(model: dict[str, Any]) -> int:

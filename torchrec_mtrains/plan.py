@@ -8,7 +8,10 @@ Usage::
         --target-throughput 1000000 --batch-size 4096
 
 ``--model`` and ``--hardware`` name files in ``conf/model`` and ``conf/hardware``; further Hydra
-overrides may follow (e.g. ``hardware.dram.capacity=2TiB planner.overlap_tier_io=true``).
+overrides may follow (e.g. ``hardware.dram.capacity=2TiB planner.overlap_tier_io=true``), and
+every ``planner.*`` key means what it means to the app (``planner.dram_budget=64GB``, or
+``planner=tiered_capacity_bound``). The planner is the tiered one with the hardware's capacities
+unless a ``planner=`` preset is named; ``planner=size_rule`` is refused, as it models nothing.
 Tables are named as the DLRM app names them (``t_cat_<i>``); their access statistics come from
 ``--profile`` where it covers them, else from the model's ``zipf_exponents``, else the uniform
 fallback, and the printout says which.
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from torchrec_mtrains.planner.planners import plan_tables
+from torchrec_mtrains.planner.planners import plan_tables, with_budgets
 from torchrec_mtrains.planner.topology import (
     CONF_DIR,
     available_presets,
@@ -82,25 +85,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model not in models:
         print(f"unknown model {args.model!r}; available: {', '.join(models)}", file=sys.stderr)
         return 2
+    # The tiered planner with the hardware's capacities unless a planner preset is named.
+    chosen = [o for o in args.overrides if o.split("=", 1)[0].lstrip("+") == "planner"]
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = compose(
             config_name="config",
             overrides=[
                 f"model={args.model}",
                 f"hardware={args.hardware}",
-                "planner=tiered",
+                *([] if chosen else ["planner=tiered"]),
                 *args.overrides,
             ],
         )
-    host = topology_from_config(cfg.hardware)
-    planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
-    assert isinstance(planner_node, dict)
-    config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
-    profile_path = args.profile or config.profile
-    profile = AccessProfile.from_json(profile_path) if profile_path else None
-    model_node = OmegaConf.to_container(cfg.model, resolve=True)
-    assert isinstance(model_node, dict)
-    model = model_tables({str(k): v for k, v in model_node.items()}, profile)
+    if cfg.planner.get("name") != "tiered":
+        print(
+            f"error: {chosen[-1] if chosen else 'planner'}: the what-if CLI plans with the tiered "
+            "planner only; choose planner=tiered or planner=tiered_capacity_bound",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        host = topology_from_config(cfg.hardware)
+        planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
+        assert isinstance(planner_node, dict)
+        config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
+        profile_path = args.profile or config.profile
+        profile = AccessProfile.from_json(profile_path) if profile_path else None
+        model_node = OmegaConf.to_container(cfg.model, resolve=True)
+        assert isinstance(model_node, dict)
+        model = model_tables({str(k): v for k, v in model_node.items()}, profile)
+        # The budgets stand in for the host's capacities, as in the app.
+        host = with_budgets(host, config.dram_budget, config.byte_scm_budget)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     batch = args.batch_size or int(cfg.data.batch_size)
 
     print(

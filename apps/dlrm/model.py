@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ShardingPlan
@@ -20,14 +20,15 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from apps.dlrm.errors import ConfigError
-from apps.dlrm.placement import format_placements, parse_bytes, size_rule_plan
+from apps.dlrm.placement import format_placements, size_rule_plan
 from torchrec_mtrains.distributed import (
     TieredEmbeddingBagCollectionSharder,
     TieredParameterSharding,
     TierStorage,
 )
 from torchrec_mtrains.distributed.runtime import local_world_size
-from torchrec_mtrains.planner import plan_from_config
+from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
+from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device
 from torchrec_mtrains.profiler import AccessProfile
 from torchrec_mtrains.tiers.base import OpenMode
 
@@ -38,14 +39,12 @@ EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 
 
 def size_option(cfg: DictConfig, key: str) -> int:
+    """A size option in bytes, read as every size is (:func:`parse_size`: SI or IEC units)."""
     value = OmegaConf.select(cfg, key)
     try:
-        size = parse_bytes(value, key)
+        return parse_size(value, key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if size < 0:
-        raise ConfigError(f"{key}={value!r} is negative; give a size such as 64MB or 0")
-    return size
 
 
 def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
@@ -118,14 +117,16 @@ def build_model(
     )
     try:
         if tiered_planner:
-            plan, plan_text = _tiered_plan(cfg, ebc, sharder, world_size, device)
+            plan, plan_text = tiered_plan(cfg, ebc, sharder, world_size, device)
         else:
             planner = cfg.planner
+            # Budgets are per host, as the tiered planner's are.
+            hosts = -(-world_size // max(1, min(world_size, local_world_size())))
             plan, placements = size_rule_plan(
                 ebc,
                 sharder,
                 world_size,
-                dram_budget=size_option(cfg, "planner.dram_budget"),
+                dram_budget=size_option(cfg, "planner.dram_budget") * hosts,
                 block_scm_min_bytes=size_option(cfg, "planner.block_scm_min_bytes"),
                 cache_load_factor=float(planner.cache_load_factor),
                 cache_policy=str(planner.cache_policy),
@@ -159,7 +160,7 @@ def build_model(
     return dmp, optimizer, plan_text
 
 
-def _tiered_plan(
+def tiered_plan(
     cfg: DictConfig,
     ebc: EmbeddingBagCollection,
     sharder: TieredEmbeddingBagCollectionSharder,
@@ -168,26 +169,31 @@ def _tiered_plan(
 ) -> tuple[Any, str]:
     """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
     the tables it put on a tier (up to an eighth of each cache)."""
+    planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
+    assert isinstance(planner_node, dict)
     # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
     # I/O with compute: the planner must size caches and estimate step time for that.
-    lookahead = lookahead_depth(cfg)
-    planned = cfg.copy()
-    with open_dict(planned):
-        planned.planner.min_cache_factor = max(
-            float(cfg.planner.get("min_cache_factor", 2.0)), 1.5 * (lookahead + 1)
-        )
-        planned.planner.overlap_tier_io = lookahead > 0
-    table_plan = plan_from_config(
-        planned,
+    config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
+    config = config.for_lookahead(lookahead_depth(cfg))
+    profile = AccessProfile.from_json(config.profile) if config.profile else None
+    local = min(world_size, local_world_size())
+    topology = topology_from_config(cfg.hardware)
+    if device.type == "cuda" and topology.gpu is None:
+        topology = on_compute_device(topology, "cuda", detected_gpu(local))
+    else:
+        topology = on_compute_device(topology, device.type)
+    table_plan = plan_tables(
         ebc,
-        sharder,
+        topology,
         world_size,
-        local_world_size=min(world_size, local_world_size()),
-        compute_device=device.type,
+        int(cfg.data.batch_size),
+        profile,
+        sharder,
+        local_world_size=local,
+        config=config,
+        poolings=_poolings(cfg, [c.name for c in ebc.embedding_bag_configs()]),
     )
-    profile_path = str(cfg.planner.get("profile") or "")
-    if profile_path and bool(cfg.planner.get("pin_hot_rows", True)):
-        profile = AccessProfile.from_json(profile_path)
+    if profile is not None and config.pin_hot_rows:
         rows = {c.name: c.num_embeddings for c in ebc.embedding_bag_configs()}
         hot: dict[str, list[int]] = {}
         for name, ps in table_plan.plan.items():
@@ -198,6 +204,18 @@ def _tiered_plan(
             hot[name] = list(profile[name].hot_rows[:room])
         sharder.hot_rows = hot
     return table_plan.plan, str(table_plan.summary)
+
+
+def _poolings(cfg: DictConfig, names: list[str]) -> dict[str, float]:
+    """Ids per sample of tables the profile does not cover, from ``model.pooling_factors`` or
+    ``data.pooling_factors`` (one value for all, or one per table in order); none if unset."""
+    found = OmegaConf.select(cfg, "model.pooling_factors") or OmegaConf.select(
+        cfg, "data.pooling_factors"
+    )
+    values = [float(v) for v in found or []]
+    if len(values) == 1:
+        values *= len(names)
+    return dict(zip(names, values)) if len(values) == len(names) else {}
 
 
 def lookahead_depth(cfg: DictConfig) -> int:

@@ -10,7 +10,6 @@ least-loaded rank (longest-processing-time first), so the big tiered tables spre
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -25,21 +24,6 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
 )
 from torchrec_mtrains.types import Tier
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_bytes(value: str | int, option: str) -> int:
-    """``"64MB"`` (or ``"64MiB"``, ``"64M"``) -> 67108864: binary units, fractions allowed;
-    raises ``ValueError`` naming ``option``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([KMGT])I?)?B?\s*", str(value).upper())
-    if not match:
-        raise ValueError(
-            f"{option}={value!r} is not a size; write e.g. 512KB, 64MB, 2GB or a byte count"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 @dataclass(frozen=True)

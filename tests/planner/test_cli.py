@@ -76,3 +76,29 @@ def test_perf_model_check_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert module.main(["check", "--quick", "--dir", str(tmp_path), "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert "predicted" in out and "measured" in out and "error" in out
+
+
+def _whatif(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str, str]:
+    code = plan_cli.main(["--model", "small", "--hardware", "local", *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_whatif_cli_honours_the_apps_planner_budgets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, unbounded, _ = _whatif(capsys)
+    assert code == 0 and "byte_scm" not in unbounded  # 279 MiB fit the VM's DRAM
+    code, bounded, _ = _whatif(capsys, "planner.dram_budget=64MB")
+    assert code == 0 and "byte_scm" in bounded
+    # The app's default preset: 64 MB of DRAM and 100 MB of byte SCM, so block SCM too.
+    code, bounded, _ = _whatif(capsys, "planner=tiered_capacity_bound")
+    assert code == 0 and "byte_scm" in bounded and "block_scm" in bounded
+
+
+def test_whatif_cli_refuses_what_it_cannot_use_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = _whatif(capsys, "planner=size_rule")
+    assert code == 2 and err.startswith("error: planner=size_rule")
+    code, _, err = _whatif(capsys, "hardware.dram.capacity=200MB")
+    assert code == 2 and "dram_reserved" in err and "200MB" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

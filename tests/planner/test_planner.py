@@ -210,27 +210,6 @@ def test_plan_shards_a_model_that_trains(tmp_path: Path) -> None:
     assert any("t_cat_0" in s for s in stats)
 
 
-def test_plan_from_the_apps_config() -> None:
-    from hydra import compose, initialize_config_dir
-
-    from torchrec_mtrains.planner import plan_from_config
-    from torchrec_mtrains.planner.topology import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(
-            config_name="config",
-            overrides=["planner=tiered", "hardware=local", "model=small", "data.batch_size=256"],
-        )
-    sizes = list(cfg.model.num_embeddings_per_feature)
-    ebc = EmbeddingBagCollection(
-        tables=tables(sizes, dim=int(cfg.model.embedding_dim)), device=torch.device("meta")
-    )
-    plan, summary = plan_from_config(cfg, ebc, _sharder(), world_size=1)
-    assert set(plan) == {f"t_cat_{i}" for i in range(len(sizes))}
-    assert summary.batch_size == 256 and summary.host == "local"
-    assert any("assumed uniform" in note for note in summary.notes)
-
-
 def test_more_dram_never_predicts_a_slower_step() -> None:
     # The Criteo Kaggle shape (dim 64, Zipf 1.1, batch 8192) on the local preset without a byte
     # tier. With DRAM for some big tables whole, the first plan that fits keeps them whole and

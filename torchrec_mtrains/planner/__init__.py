@@ -16,7 +16,6 @@ from torchrec_mtrains.planner.perf_model import Placement, ShardWork, StepTime, 
 from torchrec_mtrains.planner.planners import (
     TablePlan,
     TieredShardingPlanner,
-    plan_from_config,
     plan_tables,
     torchrec_topology,
 )
@@ -67,7 +66,6 @@ __all__ = [
     "from_profile",
     "load_topology",
     "parse_size",
-    "plan_from_config",
     "plan_tables",
     "register_configs",
     "shard_step_time",

@@ -72,7 +72,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TablePlan",
     "TieredShardingPlanner",
-    "plan_from_config",
     "plan_tables",
     "torchrec_topology",
 ]
@@ -128,7 +127,8 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
         profile: measured access profile; tables without one are assumed uniform (and the
             summary says so).
         local_world_size: ranks per host (default: ``min(world_size, host.ranks_per_host)``).
-        config: planner knobs.
+        config: planner knobs; its ``dram_budget`` / ``byte_scm_budget`` replace the host's
+            capacities (see :func:`with_budgets`).
         access: per-table access statistics overriding the profile (e.g. stated Zipf skews).
         poolings: ids per sample of tables without a profile.
 
@@ -152,13 +152,16 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
         access: Mapping[str, TableAccess] | None = None,
         poolings: Mapping[str, float] | None = None,
     ) -> None:
+        config = config or PlannerConfig()
+        # The budgets stand in for the host's capacities, wherever the plan is asked for.
+        host = with_budgets(host, config.dram_budget, config.byte_scm_budget)
         local = local_world_size or min(world_size, host.ranks_per_host)
         self.context = PlanningContext(
             host=host,
             world_size=world_size,
             local_world_size=local,
             batch_size=batch_size,
-            config=config or PlannerConfig(),
+            config=config,
         )
         self.estimator = TieredShardEstimator(self.context)
         self.tiered_enumerator = TieredEnumerator(
@@ -340,73 +343,6 @@ def plan_tables(
     if module_plan is None or planner.last_summary is None:
         raise ValueError("the planner returned no plan for the collection")
     return TablePlan(cast(EmbeddingModuleShardingPlan, module_plan), planner.last_summary)
-
-
-def plan_from_config(
-    cfg: Any,
-    ebc: EmbeddingBagCollection,
-    sharder: TieredEmbeddingBagCollectionSharder,
-    world_size: int,
-    *,
-    local_world_size: int | None = None,
-    compute_device: str | None = None,
-) -> TablePlan:
-    """:func:`plan_tables` from the DLRM app's composed config.
-
-    Reads ``cfg.hardware`` (the host topology), ``cfg.planner`` (a ``planner=tiered`` preset,
-    whose ``profile`` names an access profile JSON or is empty), ``cfg.data.batch_size`` and the
-    ids per sample of tables without a profile from ``model.pooling_factors`` or
-    ``data.pooling_factors`` (one entry, or one per table in ``t_cat_<i>`` order).
-
-    ``compute_device`` (``cpu`` / ``cuda``), when given, overrides the preset's: the plan
-    follows the device the job runs on (see :func:`on_compute_device`).
-
-    Raises:
-        ValueError: when ``cfg.planner`` is not the tiered planner's config, or a value is
-            invalid.
-    """
-    from omegaconf import OmegaConf
-
-    from torchrec_mtrains.planner.topology import (
-        detected_gpu,
-        on_compute_device,
-        topology_from_config,
-    )
-
-    planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
-    if not isinstance(planner_node, dict) or planner_node.get("name") != "tiered":
-        raise ValueError("cfg.planner is not the tiered planner's config: use planner=tiered")
-    config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
-    profile = AccessProfile.from_json(config.profile) if config.profile else None
-    names = [c.name for c in ebc.embedding_bag_configs()]
-    poolings: dict[str, float] = {}
-    found = OmegaConf.select(cfg, "model.pooling_factors") or OmegaConf.select(
-        cfg, "data.pooling_factors"
-    )
-    if found:
-        values = [float(v) for v in found]
-        if len(values) == 1:
-            values = values * len(names)
-        if len(values) == len(names):
-            poolings = dict(zip(names, values))
-    topology = with_budgets(
-        topology_from_config(cfg.hardware), config.dram_budget, config.byte_scm_budget
-    )
-    if compute_device is not None:
-        needs_gpu = compute_device == "cuda" and topology.gpu is None
-        gpu = detected_gpu(local_world_size) if needs_gpu else None
-        topology = on_compute_device(topology, compute_device, gpu)
-    return plan_tables(
-        ebc,
-        topology,
-        world_size,
-        int(cfg.data.batch_size),
-        profile,
-        sharder,
-        local_world_size=local_world_size,
-        config=config,
-        poolings=poolings,
-    )
 
 
 def with_budgets(topology: HostTopology, dram_budget: str, byte_scm_budget: str) -> HostTopology:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from torchrec.distributed.planner.types import (
@@ -97,6 +97,26 @@ class PlannerConfig:
             raise ValueError(f"balance_rounds must be >= 0, got {self.balance_rounds}")
         if self.default_pooling <= 0 or not math.isfinite(self.default_pooling):
             raise ValueError(f"default_pooling must be positive, got {self.default_pooling}")
+
+    def for_lookahead(self, lookahead: int) -> PlannerConfig:
+        """This config for a training loop that prefetches ``lookahead`` batches ahead of the
+        running one (cDLRM; 0 = no look-ahead).
+
+        The ``lookahead + 1`` batches resident at once must all fit every cache, each with half
+        a batch of slack as batches vary, so the smallest cache is ``1.5 * (lookahead + 1)``
+        steps' distinct ids (never less than ``min_cache_factor``); and tier I/O overlaps
+        compute whenever something is prefetched.
+
+        Raises:
+            ValueError: for a negative ``lookahead``.
+        """
+        if lookahead < 0:
+            raise ValueError(f"lookahead={lookahead}: must be 0 or more batches")
+        return replace(
+            self,
+            min_cache_factor=max(self.min_cache_factor, 1.5 * (lookahead + 1)),
+            overlap_tier_io=lookahead > 0,
+        )
 
     @classmethod
     def from_mapping(cls, node: Mapping[str, Any]) -> PlannerConfig:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from torchrec_mtrains.distributed.sharders import TieredEmbeddingBagCollectionSharder
 from torchrec_mtrains.planner.access import TableAccess, from_profile, zipf_access
-from torchrec_mtrains.planner.planners import plan_tables
+from torchrec_mtrains.planner.planners import plan_tables, with_budgets
 from torchrec_mtrains.planner.stats import PlanSummary
 from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.planner.types import PlacementError, PlannerConfig
@@ -178,6 +178,8 @@ def min_hosts(
         max_hosts: give up beyond this many hosts.
         sharder: the sharder to plan for (default: row-wise Adagrad, tiered kernel offered).
     """
+    config = config or PlannerConfig()
+    host = with_budgets(host, config.dram_budget, config.byte_scm_budget)
     cache: dict[int, PlanSummary | None] = {}
 
     def plan_at(hosts: int) -> PlanSummary | None:
@@ -256,7 +258,11 @@ def compare_host_types(
     config: PlannerConfig | None = None,
     max_hosts: int = 4096,
 ) -> list[HostCount]:
-    """:func:`min_hosts` for each of the four host types of ``base``."""
+    """:func:`min_hosts` for each of the four host types of ``base``; ``config``'s budgets
+    apply to ``base`` before its tiers are taken away."""
+    config = config or PlannerConfig()
+    base = with_budgets(base, config.dram_budget, config.byte_scm_budget)
+    config = replace(config, dram_budget="", byte_scm_budget="")
     return [
         min_hosts(
             model,
