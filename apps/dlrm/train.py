@@ -30,12 +30,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
-from tqdm import tqdm
 
-from apps.dlrm.checkpoints import load_checkpoint, resume_point, save_checkpoint, tier_files
+from apps.dlrm.checkpoints import (
+    last_checkpoint,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+    tier_files,
+)
 from apps.dlrm.data import build_dataloader
 from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
 from apps.dlrm.model import CONF_DIR, build_model, lookahead_depth
+from apps.dlrm.progress import Progress
 from apps.dlrm.report import evaluate, gathered_tier_stats, hit_rate, io_totals, summary
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed.runtime import (
@@ -182,12 +188,11 @@ def _train(
 
     steps = int(cfg.run.steps)
     model.train()
-    bar = tqdm(
+    progress = Progress(
         total=steps,
         initial=start,
-        disable=rank != 0 or not cfg.run.progress,
-        unit="batch",
-        dynamic_ncols=True,
+        enabled=rank == 0 and bool(cfg.run.progress),
+        every_s=float(cfg.run.progress_every_s),
     )
     losses: list[float] = []
     samples = 0
@@ -213,19 +218,20 @@ def _train(
                 break
             losses.append(loss)
             samples += batch_size * world
+            fields = None
             if rank == 0 and (step + 1) % log_every == 0:
                 rate = samples / (time.perf_counter() - timed_start)
                 so_far = snapshot(groups) - io_before
-                bar.set_postfix(
-                    samples_s=f"{rate:,.0f}",
-                    loss=f"{losses[-1]:.4f}",
-                    hit=f"{hit_rate(tier_stats(model)):.3f}",
-                    stall=f"{so_far.io.stall_seconds / (time.perf_counter() - timed_start):.1%}",
-                )
-            bar.update(1)
+                fields = {
+                    "samples_s": f"{rate:,.0f}",
+                    "loss": f"{losses[-1]:.4f}",
+                    "hit": f"{hit_rate(tier_stats(model)):.3f}",
+                    "stall": f"{so_far.io.stall_seconds / (time.perf_counter() - timed_start):.1%}",
+                }
+            progress.update(fields)
             if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
                 save_checkpoint(model, optimizer, run_dir, step + 1)
-    bar.close()
+    progress.close()
     elapsed = time.perf_counter() - timed_start
     io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
     trained_steps = len(losses)
@@ -236,7 +242,12 @@ def _train(
         auc, ne = evaluate(model, batches, int(cfg.run.eval_batches), device)
     phases["eval"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if trained_steps == 0 and last is not None:
+    ckpt: Path | None
+    if not cfg.run.final_checkpoint:
+        # The tiers hold the trained rows, but only a finished checkpoint can be resumed from.
+        found = last_checkpoint(run_dir)
+        ckpt = found[1] if found is not None else None
+    elif trained_steps == 0 and last is not None:
         ckpt = last[1]  # nothing new to save
     else:
         ckpt = save_checkpoint(model, optimizer, run_dir, start + trained_steps)
@@ -258,7 +269,7 @@ def _train(
         **io_train,
         "tables": stats,
         "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
-        "checkpoint": str(ckpt),
+        "checkpoint": str(ckpt) if ckpt is not None else None,
         "run_dir": str(run_dir),
     }
     if rank == 0:

@@ -20,11 +20,17 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from apps.dlrm.placement import balance_ranks, parse_bytes, table_bytes
+from apps.dlrm.model import size_option, tiered_plan
+from apps.dlrm.placement import balance_ranks, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
+from torchrec_mtrains.distributed import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+)
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 
 REPO = Path(__file__).resolve().parents[3]
@@ -240,16 +246,26 @@ def test_cache_smaller_than_a_batch_names_the_knobs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("64MB", 64 << 20), ("64MiB", 64 << 20), ("64m", 64 << 20), ("1.5GB", 3 << 29), ("512", 512)],
+    [
+        ("64MB", 64 * 10**6),
+        ("64MiB", 64 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2GB", 2 * 10**9),
+        ("512", 512),
+    ],
 )
-def test_sizes_parse_in_binary_units(text: str, size: int) -> None:
-    assert parse_bytes(text, "planner.dram_budget") == size
+def test_sizes_parse_as_everywhere_else(text: str, size: int) -> None:
+    # One parser for every size option: SI for KB/MB/GB, IEC for KiB/MiB/GiB.
+    assert (
+        size_option(OmegaConf.create({"planner": {"dram_budget": text}}), "planner.dram_budget")
+        == size
+    )
 
 
-@pytest.mark.parametrize("text", ["lots", "MB", "-5MB", "64XB"])
+@pytest.mark.parametrize("text", ["lots", "MB", "-5MB", "64XB", "64m"])
 def test_bad_sizes_name_the_option(text: str) -> None:
-    with pytest.raises(ValueError, match=r"^planner\.dram_budget="):
-        parse_bytes(text, "planner.dram_budget")
+    with pytest.raises(ConfigError, match=r"^planner\.dram_budget="):
+        size_option(OmegaConf.create({"planner": {"dram_budget": text}}), "planner.dram_budget")
 
 
 def test_ranks_are_balanced_largest_table_first() -> None:
@@ -403,3 +419,45 @@ def test_app_trains_on_cuda_and_resumes_on_the_cpu(tmp_path: Path, planner: str)
         )
     )
     assert resumed["resumed_from_step"] == 20 and resumed["steps"] == 24
+
+
+def test_tiered_plan_reads_the_apps_config(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
+                "planner=tiered",
+                "planner.dram_budget=1MB",
+                "pipeline.lookahead=2",
+                "data.batch_size=256",
+            ],
+        )
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"cat_{i}"]
+            )
+            for i, n in enumerate(SIZES)
+        ],
+        device=torch.device("meta"),
+    )
+    sharder = TieredEmbeddingBagCollectionSharder(offer_tiered_kernel=True)
+    plan, text = tiered_plan(cfg, ebc, sharder, 1, torch.device("cpu"))
+    assert set(plan) == {f"t_cat_{i}" for i in range(len(SIZES))}
+    assert "local" in text and "assumed uniform" in text
+    # The budget is honoured: 1.36 MB of tables do not all fit in 1 MB of DRAM.
+    assert any(isinstance(ps, TieredParameterSharding) for ps in plan.values())
+
+
+def test_final_checkpoint_can_be_skipped(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    metrics = main(config(run_dir, "run.steps=6", "run.final_checkpoint=false"))
+    assert metrics["steps"] == 6 and metrics["checkpoint"] is None
+    assert not list(run_dir.glob("checkpoints/*/DONE"))
+    # A periodic checkpoint of the same run is still the one to resume from.
+    run_dir = tmp_path / "periodic"
+    metrics = main(
+        config(run_dir, "run.steps=6", "run.checkpoint_every=4", "run.final_checkpoint=false")
+    )
+    assert metrics["checkpoint"] == str(run_dir / "checkpoints" / "step_00000004")

@@ -1,0 +1,50 @@
+"""Progress reporting: a bar on a terminal, a few plain lines in a log, nothing off rank 0."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from apps.dlrm.progress import Progress
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run(stream: io.StringIO, steps: int, enabled: bool = True, every_s: float = 3600.0) -> str:
+    progress = Progress(total=steps, initial=0, enabled=enabled, every_s=every_s, stream=stream)
+    for step in range(steps):
+        progress.update({"loss": f"{1.0 / (step + 1):.4f}"} if step % 10 == 9 else None)
+    progress.close()
+    return stream.getvalue()
+
+
+def test_a_log_gets_one_line_per_interval_and_a_last_one() -> None:
+    # 200 steps in well under an hour: no line until the end, then one with the last fields.
+    out = _run(io.StringIO(), 200)
+    assert out.splitlines() == [out.strip()]
+    assert out.startswith("step 200/200 (100%)") and "loss=0.0050" in out
+    assert "\r" not in out  # no bar redraws in a log file
+
+
+def test_a_log_gets_a_line_whenever_the_interval_passed() -> None:
+    out = _run(io.StringIO(), 5, every_s=1e-9)
+    assert [line.split()[1] for line in out.splitlines()] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+
+
+def test_a_terminal_gets_tqdms_bar() -> None:
+    out = _run(_Terminal(), 20)
+    assert "\r" in out and "20/20" in out and "batch" in out
+
+
+def test_disabled_ranks_write_nothing() -> None:
+    assert _run(io.StringIO(), 50, enabled=False) == ""
+    assert _run(_Terminal(), 50, enabled=False) == ""
+
+
+def test_the_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="progress_every_s"):
+        Progress(total=1, initial=0, enabled=True, every_s=0)
