@@ -28,26 +28,16 @@ ROWS = (4000, 1000, 300, 50_000)
 
 
 def _module(kind: str) -> nn.Module:
-    meta = torch.device("meta")
-    if kind == "ebc":
-        return EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"f{i}"]
-                )
-                for i, n in enumerate(ROWS)
-            ],
-            device=meta,
-        )
-    return EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(
-                name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"f{i}"]
-            )
-            for i, n in enumerate(ROWS)
-        ],
-        device=meta,
+    config: type[EmbeddingBagConfig] | type[EmbeddingConfig] = (
+        EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
     )
+    tables = [
+        config(name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(ROWS)
+    ]
+    if kind == "ebc":
+        return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return EmbeddingCollection(tables=tables, device=torch.device("meta"))
 
 
 def _sharders(
