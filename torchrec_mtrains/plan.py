@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_node = OmegaConf.to_container(cfg.model, resolve=True)
         assert isinstance(model_node, dict)
         model = model_tables({str(k): v for k, v in model_node.items()}, profile)
-        # The budgets stand in for the host's capacities, as in the app.
+        # The planner applies the budgets wherever it runs; applying them here first turns a
+        # bad one (unparsable, or a byte SCM budget without byte SCM) into a one-line error.
         host = with_budgets(host, config.dram_budget, config.byte_scm_budget)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -178,10 +178,8 @@ def tiered_plan(
     profile = AccessProfile.from_json(config.profile) if config.profile else None
     local = min(world_size, local_world_size())
     topology = topology_from_config(cfg.hardware)
-    if device.type == "cuda" and topology.gpu is None:
-        topology = on_compute_device(topology, "cuda", detected_gpu(local))
-    else:
-        topology = on_compute_device(topology, device.type)
+    gpu = detected_gpu(local) if device.type == "cuda" and topology.gpu is None else None
+    topology = on_compute_device(topology, device.type, gpu)
     table_plan = plan_tables(
         ebc,
         topology,
