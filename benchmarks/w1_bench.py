@@ -1196,47 +1196,143 @@ def print_summary(results: dict[str, Any]) -> None:
     print(f"load average at start {results['machine_start_load']}, at end {load}")
 
 
+_SERIES = (
+    # summary key, legend label, marker, colour (one colour per variant in both panels)
+    ("B_samples_per_s", "B: FUSED on mmap'd files (OS paging, MADV_RANDOM)", "s", "#1f77b4"),
+    ("B_plain_samples_per_s", "B_plain: same, default readahead", "x", "#9467bd"),
+    (
+        "ours_samples_per_s",
+        "ours: tiered plan, block tier + row caches, look-ahead",
+        "o",
+        "#ff7f0e",
+    ),
+    ("ours_1f_samples_per_s", "ours_1f: same tiers, one cache factor (one kernel)", "D", "#8c564b"),
+)
+_RATIOS = (
+    ("B_vs_A", "B / A", "s", "#1f77b4"),
+    ("ours_vs_A", "ours / A", "o", "#ff7f0e"),
+    ("ours_vs_B", "ours / B", "^", "#2ca02c"),
+)
+
+
+def _reference_line(ax: Any, y: float, text: str, **style: Any) -> None:
+    """A horizontal line at ``y`` labelled just above it, at the end of the axes with more
+    free room above the line before the nearest data point (limits and scales must be set)."""
+    ax.axhline(y, gid="reference", **style)
+    to_px = ax.transData.transform
+    x_lo, x_hi = ax.get_xlim()
+    line_px = to_px((x_lo, y))[1]
+    room = {}
+    for end, x_end in (("left", x_lo), ("right", x_hi)):
+        gaps = [np.inf]
+        for line in ax.get_lines():
+            if line.get_gid() == "reference":
+                continue
+            xs, ys = (np.asarray(v, dtype=float) for v in line.get_data())
+            near = np.abs(xs - x_end) <= 0.2 * (x_hi - x_lo)
+            gaps += [g for g in to_px(np.c_[xs[near], ys[near]])[:, 1] - line_px if g >= 0]
+        room[end] = min(gaps)
+    end = "left" if room["left"] >= room["right"] else "right"
+    ax.annotate(
+        text,
+        xy=(0.01 if end == "left" else 0.99, y),
+        xycoords=ax.get_yaxis_transform(),
+        xytext=(0, 2),
+        textcoords="offset points",
+        ha=end,
+        va="bottom",
+        fontsize="small",
+        color=style.get("color", "black"),
+    )
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Throughput and ratios against the DRAM budget; legends below the panels, reference
+    lines (A, the targets) labelled on the plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     rows = results["summary"]["table"]
     xs = [r["budget_fraction"] * 100 for r in rows]
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    fig = Figure(figsize=(12, 6), layout="constrained")
     FigureCanvasAgg(fig)
-    ax, ax2 = fig.subplots(1, 2)
+    left, right = fig.subfigures(1, 2, width_ratios=[1.15, 1])
+    ax, ax2 = left.subplots(), right.subplots()
     a = results["A"].get("samples_per_s") if results["A"].get("ok") else None
-    if a:
-        ax.axhline(a, color="black", linestyle="--", label="A: FUSED, all tables in DRAM")
-        ax.axhline(TARGET_VS_A * a, color="grey", linestyle=":", label="0.9 x A")
-    for key, label, marker in (
-        ("B_samples_per_s", "B: FUSED on mmap'd files (OS paging, MADV_RANDOM)", "s"),
-        ("B_plain_samples_per_s", "B_plain: same, default readahead", "x"),
-        ("ours_samples_per_s", "ours: tiered plan, block tier + row caches, look-ahead", "o"),
-        ("ours_1f_samples_per_s", "ours_1f: same tiers, one cache factor (one kernel)", "D"),
-    ):
-        pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
+    top = a or 0.0
+    for key, label, marker, color in _SERIES:
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key)]
         if pts:
-            ax.plot(*zip(*pts), marker=marker, label=label)
+            ax.plot(*zip(*pts), marker=marker, color=color, label=label)
+            top = max(top, max(y for _, y in pts))
     ax.set(
         xlabel="DRAM budget (% of embedding bytes); cap = budget + process overhead",
-        ylabel="samples/s (median window)",
+        ylabel="training throughput (samples/s, median timed window)",
         title="W1 throughput vs DRAM budget",
-        ylim=(0, None),
+        ylim=(0, 1.15 * top if top else None),
+        xlim=(0, max(xs) * 1.05 if xs else None),
     )
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.grid(True, alpha=0.3)
+    budget = f"{TARGET_BUDGET:.0%} budget"
+    times = "\N{MULTIPLICATION SIGN}"
+    if a:
+        _reference_line(
+            ax,
+            a,
+            f"A: FUSED, all tables in DRAM, no cap: {a:,.0f} samples/s",
+            color="black",
+            linestyle="--",
+        )
+        _reference_line(
+            ax,
+            TARGET_VS_A * a,
+            f"target at {budget}: ours ≥ {TARGET_VS_A:g} {times} A = {TARGET_VS_A * a:,.0f} samples/s",
+            color="dimgrey",
+            linestyle=":",
+        )
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
-    for key, label in (("B_vs_A", "B / A"), ("ours_vs_A", "ours / A"), ("ours_vs_B", "ours / B")):
-        pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
+        left.legend(loc="outside lower center", fontsize="small")
+
+    values: list[float] = []
+    for key, label, marker, color in _RATIOS:
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key)]
         if pts:
-            ax2.plot(*zip(*pts), marker="o", label=label)
-    ax2.axhline(TARGET_VS_A, color="grey", linestyle=":")
-    ax2.set(xlabel="DRAM budget (% of embedding bytes)", ylabel="ratio", title="ratios")
+            ax2.plot(*zip(*pts), marker=marker, color=color, label=label)
+            values += [y for _, y in pts]
     ax2.set_yscale("log")
-    ax2.grid(True, which="both", alpha=0.3)
+    low = min([*values, TARGET_VS_A]) / 1.6
+    high = max([*values, TARGET_VS_B]) * 1.6
+    ax2.set(
+        xlabel="DRAM budget (% of embedding bytes)",
+        ylabel=f"throughput ratio ({times}, log scale)",
+        title="ratios of samples/s",
+        ylim=(low, high),
+        xlim=ax.get_xlim(),
+    )
+    ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50) if low <= t <= high]
+    ax2.yaxis.set_major_locator(FixedLocator(ticks))
+    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.yaxis.set_minor_formatter(NullFormatter())
+    ax2.grid(True, which="major", alpha=0.3)
+    ax2.grid(True, which="minor", alpha=0.1)
+    _reference_line(
+        ax2,
+        TARGET_VS_A,
+        f"target at {budget}: ours / A ≥ {TARGET_VS_A:g}",
+        color="#ff7f0e",
+        linestyle=":",
+    )
+    _reference_line(
+        ax2,
+        TARGET_VS_B,
+        f"target at {budget}: ours / B ≥ {TARGET_VS_B:g}",
+        color="#2ca02c",
+        linestyle=":",
+    )
     if ax2.get_legend_handles_labels()[0]:
-        ax2.legend(fontsize="small")
+        right.legend(loc="outside lower center", fontsize="small", ncols=3)
     wl = results["workload"]
     fig.suptitle(
         f"W1 Criteo-Kaggle shape: {wl['embedding_bytes'] / 2**30:.1f} GiB of embeddings, "
