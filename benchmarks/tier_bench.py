@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store
+from torchrec_mtrains.tiers import (
+    TIERS,
+    BlockScmOptions,
+    IOEngineKind,
+    OpenMode,
+    RowStore,
+    TierOptions,
+    open_store,
+)
 from torchrec_mtrains.types import RowLayout
 
 TARGET = 0.70
@@ -78,13 +86,15 @@ def bench_tier(
     tier: str, directory: Path, args: argparse.Namespace, fio: dict[str, Any]
 ) -> dict[str, Any]:
     layout = RowLayout(args.rows, args.dim, 0, args.dtype)
-    options: dict[str, Any] = {"mode": OpenMode.TRUNCATE}
+    options: TierOptions | None = None
     if tier == "block_scm":
-        options["queue_depth"] = args.queue_depth
-        options["engine"] = args.engine
+        options = BlockScmOptions(queue_depth=args.queue_depth, engine=IOEngineKind(args.engine))
     rng = np.random.default_rng(0)
-    store = open_store(tier, directory, "bench", layout, **options)
-    result: dict[str, Any] = {"file_gib": layout.total_bytes / 2**30}
+    store = open_store(tier, directory, "bench", layout, mode=OpenMode.TRUNCATE, options=options)
+    result: dict[str, Any] = {
+        "file_gib": layout.total_bytes / 2**30,
+        "options": store.options.as_dict(),  # what the store ran with
+    }
     try:
         result["seq_fill_mb_s"] = fill(store, rng)
         if tier == "block_scm" and args.fio:

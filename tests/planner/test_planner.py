@@ -33,6 +33,7 @@ from torchrec_mtrains.planner import (
     plan_tables,
     zipf_access,
 )
+from torchrec_mtrains.planner.planners import with_budgets
 from torchrec_mtrains.profiler import TableInfo, profile_batches
 from torchrec_mtrains.types import Tier
 
@@ -231,3 +232,15 @@ def test_more_dram_never_predicts_a_slower_step() -> None:
         steps.append(summary.step_time_s)
     # (a hill climb: ties may differ in the last digits)
     assert all(later <= earlier * 1.01 for earlier, later in itertools.pairwise(steps)), steps
+
+
+@pytest.mark.parametrize("zero", ["0", "0MB", 0])
+def test_a_zero_budget_is_refused_not_read_as_no_budget(zero: str | int) -> None:
+    host = load_topology("local")
+    with pytest.raises(ValueError, match=r"planner\.dram_budget=.*leaves no DRAM"):
+        with_budgets(host, zero, "")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"planner\.byte_scm_budget=.*positive size"):
+        with_budgets(host, "", zero)  # type: ignore[arg-type]
+    assert with_budgets(host, "", "") == host  # empty: the hardware's own capacities
+    budgeted = with_budgets(host, "64MB", "")
+    assert budgeted.host_capacity(Tier.DRAM) == 64 * 10**6

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
 from planner_helpers import small_host
 
 from torchrec_mtrains.planner import (
@@ -25,7 +27,13 @@ from torchrec_mtrains.planner.perf_model import (
     partial_units_per_row,
     units_per_row,
 )
-from torchrec_mtrains.planner.topology import CONF_DIR, GpuConfig, on_compute_device
+from torchrec_mtrains.planner.topology import (
+    GpuConfig,
+    on_compute_device,
+    preset_path,
+    store_options,
+)
+from torchrec_mtrains.tiers import BlockScmOptions, ByteScmOptions, DramOptions
 from torchrec_mtrains.types import Tier
 
 PRESETS = available_presets()
@@ -75,14 +83,29 @@ def test_presets_with_storage_tiers() -> None:
     assert cpu.gpu is None and cpu.byte_scm is not None and cpu.block_scm is not None
 
 
-def test_local_keeps_the_app_keys() -> None:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=["hardware=local"])
-    hw = cfg.hardware
-    assert hw.name == "local" and str(hw.tier_root).endswith("/tiers")
-    assert dict(hw.dirs) == {} and int(hw.block_size) == 4096
-    host = topology_from_config(hw)  # resolves ${run.dir} in place
-    assert host.block_scm is not None and host.block_scm.block_size == 4096
+def test_presets_ship_inside_the_package(tmp_path: Path) -> None:
+    """Found next to the installed module, not through a repository checkout's ``conf/``."""
+    import torchrec_mtrains
+
+    package = Path(torchrec_mtrains.__file__).parent
+    assert preset_path("local") == package / "conf" / "hardware" / "local.yaml"
+    # The library's presets leave the tier location to the job, one directory per run.
+    assert load_topology("local").tier_root is None
+
+
+def test_load_topology_takes_overrides_and_files(tmp_path: Path) -> None:
+    host = load_topology("local", ["hardware.dram.capacity=48GB", "block_scm.queue_depth=8"])
+    assert host.dram.capacity == "48GB"
+    assert host.block_scm is not None and host.block_scm.queue_depth == 8
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(preset_path("local").read_text().replace("name: local", "name: mine"))
+    assert load_topology(mine).name == "mine"
+    with pytest.raises(ValueError, match="does not exist"):
+        load_topology(tmp_path / "none.yaml")
+    with pytest.raises(ValueError, match="expected key=value"):
+        load_topology("local", ["dram.capacity"])
+    with pytest.raises(ValueError, match=r"dram\.capacty"):
+        load_topology("local", ["dram.capacty=1GB"])
 
 
 def test_invalid_configs_name_the_problem() -> None:
@@ -162,3 +185,56 @@ def test_zipf_hit_rate_is_monotone_and_skew_helps() -> None:
     assert skewed.hit_rate(1e5, 4096) > 10 * uniform.hit_rate(1e5, 4096)
     assert uniform.hit_rate(5e6, 4096) == pytest.approx(0.5, abs=0.02)
     assert math.isclose(uniform.unique_rows(100), 100, rel_tol=1e-3)
+
+
+# ------------------------------------------------------------------ store options from the host
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_store_options_carry_the_figures_the_perf_model_uses(name: str) -> None:
+    host = load_topology(name)
+    options = store_options(host)
+    assert host.block_scm is not None
+    block = options["block_scm"]
+    assert isinstance(block, BlockScmOptions)
+    assert block.block_size == host.block_scm.block_size
+    assert block.queue_depth == host.block_scm.queue_depth
+    storage_tiers = [t for t in host.tiers() if t is not Tier.HBM]
+    assert sorted(options) == sorted(t.value for t in storage_tiers)
+    for tier in storage_tiers:  # every figure a store's options share with the hardware model
+        for key in options[tier.value].hardware_fields:
+            assert getattr(options[tier.value], key) == getattr(host.memory(tier), key), key
+
+
+def test_store_options_follow_an_overridden_queue_depth() -> None:
+    host = load_topology("local", ["hardware.block_scm.queue_depth=8"])
+    assert store_options(host)["block_scm"] == BlockScmOptions(block_size=4096, queue_depth=8)
+
+
+def test_store_options_follow_the_block_tiers_config() -> None:
+    base = small_host()
+    assert base.block_scm is not None
+    block = dataclasses.replace(base.block_scm, queue_depth=8, block_size=8192)
+    host = dataclasses.replace(base, block_scm=block, block_size=8192)
+    assert store_options(host) == {
+        "dram": DramOptions(),
+        "byte_scm": ByteScmOptions(),
+        "block_scm": BlockScmOptions(block_size=8192, queue_depth=8),
+    }
+
+
+def test_without_a_block_tier_the_hosts_block_size_still_reaches_block_stores() -> None:
+    host = dataclasses.replace(small_host(block_scm=None), block_size=16384)
+    assert store_options(host)["block_scm"] == BlockScmOptions(block_size=16384)
+
+
+def test_the_block_tiers_block_size_wins_over_the_hosts_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    base = small_host()
+    assert base.block_scm is not None
+    host = dataclasses.replace(base, block_scm=dataclasses.replace(base.block_scm, block_size=8192))
+    with caplog.at_level(logging.WARNING):
+        options = store_options(host)
+    assert options["block_scm"] == BlockScmOptions(block_size=8192)
+    assert "block_scm.block_size=8192 differs from block_size=4096" in caplog.text

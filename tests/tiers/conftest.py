@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from tier_helpers import STORE_CASES, STORE_IDS, StoreFactory
 
-from torchrec_mtrains.tiers import RowStore, open_store
+from torchrec_mtrains.tiers import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout
 
 
@@ -27,8 +27,10 @@ def make_store(tmp_path: Path, store_case: tuple[str, dict[str, Any]]) -> Iterat
     tier, base_options = store_case
     opened: list[RowStore] = []
 
-    def factory(layout: RowLayout, table: str = "t", **options: Any) -> RowStore:
-        store = open_store(tier, tmp_path, table, layout, **{**base_options, **options})
+    def factory(
+        layout: RowLayout, table: str = "t", mode: OpenMode | str = OpenMode.OPEN_OR_CREATE
+    ) -> RowStore:
+        store = open_store(tier, tmp_path, table, layout, mode=mode, options=base_options)
         opened.append(store)
         return store
 

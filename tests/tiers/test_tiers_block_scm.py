@@ -14,13 +14,15 @@ from tier_helpers import exact_rows
 
 from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, _blockio, _linux
 from torchrec_mtrains.tiers import block_scm as block_module
-from torchrec_mtrains.tiers._blockio import AioEngine, AlignedBuffer, ThreadEngine
-from torchrec_mtrains.tiers.block_scm import BlockSCMStore, _runs
+from torchrec_mtrains.tiers._blockio import AioEngine, AlignedBuffer, IOEngineKind, ThreadEngine
+from torchrec_mtrains.tiers.block_scm import BlockScmOptions, BlockSCMStore, _runs
 from torchrec_mtrains.types import RowLayout
 
 
-def _store(tmp_path: Path, layout: RowLayout, **options: Any) -> BlockSCMStore:
-    return BlockSCMStore(tmp_path, "t", layout, **options)
+def _store(
+    tmp_path: Path, layout: RowLayout, mode: str = "open_or_create", **options: Any
+) -> BlockSCMStore:
+    return BlockSCMStore(tmp_path, "t", layout, mode=mode, options=BlockScmOptions(**options))
 
 
 @pytest.mark.parametrize("block_size", [512, 1024, 4096, 16384])
@@ -146,7 +148,9 @@ def test_o_direct_refusal_falls_back_with_one_warning(
 
 def test_misaligned_direct_io_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BlockSCMStore, "_direct_io_works", lambda self, fd: False)
-    with BlockSCMStore(tmp_path, "t", RowLayout(10, 4), block_size=512) as store:
+    with BlockSCMStore(
+        tmp_path, "t", RowLayout(10, 4), options=BlockScmOptions(block_size=512)
+    ) as store:
         assert not store.direct
         store.write_rows([3], np.ones((1, 4), np.float32))
         assert store.read_rows([3]).sum() == 4
@@ -175,7 +179,9 @@ def test_missing_aio_falls_back_to_threads(
         assert store.engine == "threads"
     assert "native AIO unavailable" in caplog.text
     with pytest.raises(RowStoreError, match=r"t\.block_scm\.rows: setting up the aio I/O engine"):
-        BlockSCMStore(tmp_path, "t", RowLayout(10, 4), engine="aio")
+        BlockSCMStore(
+            tmp_path, "t", RowLayout(10, 4), options=BlockScmOptions(engine=IOEngineKind.AIO)
+        )
 
 
 def test_io_errors_name_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from torchrec_mtrains.tiers import RowStoreError, _linux
 from torchrec_mtrains.tiers import byte_scm as byte_module
-from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
+from torchrec_mtrains.tiers.byte_scm import ByteScmOptions, ByteSCMStore
 from torchrec_mtrains.types import RowLayout
 
 
@@ -41,7 +41,7 @@ def test_map_sync_required_off_dax_is_a_clear_error(tmp_path: Path) -> None:
     if _linux.is_dax_mount(tmp_path):
         pytest.skip(f"{tmp_path} is on a DAX mount")
     with pytest.raises(RowStoreError, match=r"MAP_SYNC.*DAX") as err:
-        ByteSCMStore(tmp_path, "t", RowLayout(8, 2), map_sync=True)
+        ByteSCMStore(tmp_path, "t", RowLayout(8, 2), options=ByteScmOptions(map_sync=True))
     assert "t.byte_scm.rows" in str(err.value)
 
 
@@ -83,7 +83,7 @@ def test_dax_detection_from_mount_options(tmp_path: Path) -> None:
 
 def test_unknown_numa_node_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RowStoreError, match="NUMA node 4095 does not exist") as err:
-        ByteSCMStore(tmp_path, "t", RowLayout(8, 2), numa_node=4095)
+        ByteSCMStore(tmp_path, "t", RowLayout(8, 2), options=ByteScmOptions(numa_node=4095))
     assert "/sys/devices/system/node" in str(err.value)
     assert not list(tmp_path.iterdir())  # refused before any file was made
 
@@ -95,7 +95,9 @@ def test_binding_to_a_numa_node_places_the_pages_there(tmpfs_mount: object) -> N
     # shmem honours a shared mapping's policy; disk file systems' page cache ignores it.
     directory = tmpfs_mount("size=64m")  # type: ignore[operator]
     node = nodes[-1]  # the highest node: a CXL expander where one exists
-    with ByteSCMStore(directory, "t", RowLayout(4096, 64), numa_node=node) as store:
+    with ByteSCMStore(
+        directory, "t", RowLayout(4096, 64), options=ByteScmOptions(numa_node=node)
+    ) as store:
         store.write_range(0, np.ones((4096, 64), np.float32))
         view = store.mapped_rows()
         for row in (0, 2048, 4095):

@@ -57,7 +57,7 @@ def test_random_round_trip_matches_a_reference_array(
     rng = np.random.default_rng(seed)
     expected = np.zeros((layout.num_rows, layout.row_width), np.float32)
     with tempfile.TemporaryDirectory() as directory:
-        store = open_store(tier, directory, "t", layout, **options)
+        store = open_store(tier, directory, "t", layout, options=options)
         try:
             for ids in batches:
                 rows = exact_rows(rng, ids.size, layout.row_width, layout.dtype.value)

@@ -6,8 +6,11 @@ so the tier, cache size and policy of each table ride beside it: a
 extra fused parameters via ``get_additional_fused_params()``, TorchRec groups tables by fused
 parameters, and the kernel pops them before building fbgemm's table-batched module.
 
-Where the tiers' files go is a property of the host, not of a table: :class:`TierStorage`,
-given to the sharders.
+Where the tiers' files go, and how their stores are opened (block size, queue depth, ...), is a
+property of the host, not of a table: :class:`TierStorage`, given to the sharders. Its per-tier
+options are the tiers' typed :class:`~torchrec_mtrains.tiers.TierOptions`, built from the
+planner's host topology by :func:`torchrec_mtrains.planner.topology.store_options` so that the
+stores run with what the perf model assumed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding
 
 from torchrec_mtrains.cache.policies import POLICIES
-from torchrec_mtrains.tiers.base import OpenMode, RowStoreError, check_directory
+from torchrec_mtrains.tiers import OpenMode, RowStoreError, TierOptions, resolve_options
+from torchrec_mtrains.tiers.base import check_directory
 from torchrec_mtrains.types import Tier
 
 TIERED_KERNEL: str = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -143,7 +147,12 @@ class TierStorage:
         root: directory under which each tier gets a subdirectory named after it, unless
             ``dirs`` names one.
         dirs: per-tier directory overrides, e.g. ``{"byte_scm": "/mnt/pmem0/run"}``.
-        tier_options: per-tier backend options, e.g. ``{"block_scm": {"block_size": 4096}}``.
+        tier_options: per-tier store options, tier name -> that tier's
+            :class:`~torchrec_mtrains.tiers.TierOptions` (e.g. ``BlockScmOptions``), usually
+            :func:`~torchrec_mtrains.planner.topology.store_options` of the host topology. A
+            mapping of option values is accepted too (``{"block_scm": {"queue_depth": 8}}``):
+            it is checked key by key and replaced by the typed options, so an unknown tier,
+            option or value fails here, naming it. Tiers left out use their defaults.
         open_mode: what to do with a table file that already exists: ``create`` (the default)
             refuses to overwrite it, ``open`` resumes from it, ``truncate`` replaces it.
         checkpoint_chunk_rows: rows per chunk when checkpoints read or write a tiered table,
@@ -152,14 +161,19 @@ class TierStorage:
 
     root: str = "runs/tiers"
     dirs: Mapping[str, str] = field(default_factory=dict)
-    tier_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    tier_options: Mapping[str, TierOptions | Mapping[str, Any]] = field(default_factory=dict)
     open_mode: OpenMode = OpenMode.CREATE
     checkpoint_chunk_rows: int = 65_536
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "open_mode", OpenMode(self.open_mode))
-        for name in list(self.dirs) + list(self.tier_options):
+        for name in self.dirs:
             Tier.parse(name)
+        typed: dict[str, TierOptions] = {}
+        for name, value in self.tier_options.items():
+            tier = Tier.parse(name).value
+            typed[tier] = resolve_options(tier, value)
+        object.__setattr__(self, "tier_options", typed)
         if self.checkpoint_chunk_rows <= 0:
             raise ValueError(
                 f"checkpoint_chunk_rows must be positive, got {self.checkpoint_chunk_rows}"
@@ -184,5 +198,7 @@ class TierStorage:
         check_directory(path)
         return path
 
-    def options_for(self, tier: Tier) -> dict[str, Any]:
-        return dict(self.tier_options.get(tier.value, {}))
+    def options_for(self, tier: Tier) -> TierOptions:
+        """The options ``tier``'s stores are opened with: those given, else the tier's
+        defaults."""
+        return resolve_options(tier.value, self.tier_options.get(tier.value))

@@ -202,7 +202,7 @@ class TieredTableGroup:
                 file_name,
                 layout,
                 mode=storage.open_mode,
-                **storage.options_for(options.tier),
+                options=storage.options_for(options.tier),
             )
             created = storage.open_mode is OpenMode.TRUNCATE or not existed
             self.shards.append(

@@ -4,7 +4,7 @@ LRU hit rate of a cache of a given size.
 Three sources, always labelled so a guess is never mistaken for a measurement:
 
 * a measured profile (:class:`~torchrec_mtrains.profiler.TableProfile`, from
-  ``python -m torchrec_mtrains.profile``);
+  ``python -m apps.dlrm.profile``);
 * the profiler's uniform-access fallback when a table has no profile (pessimistic for the
   skewed traffic of real click logs);
 * a Zipf law of a stated exponent (what-if studies of models nobody has profiled yet), with

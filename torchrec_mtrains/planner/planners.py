@@ -348,19 +348,33 @@ def plan_tables(
 def with_budgets(topology: HostTopology, dram_budget: str, byte_scm_budget: str) -> HostTopology:
     """``topology`` with its DRAM capacity set so that ``dram_budget`` is left for tables and
     caches after ``dram_reserved``, and its byte SCM capacity set to ``byte_scm_budget``
-    (empty strings keep the topology's)."""
+    (empty strings keep the topology's; zero is refused, not read as "no budget").
+
+    Raises:
+        ValueError: for an unparsable or zero budget, or a byte SCM budget without byte SCM.
+    """
     from torchrec_mtrains.planner.topology import parse_size
 
-    if dram_budget:
+    if dram_budget != "":
         usable = parse_size(dram_budget, "planner.dram_budget")
+        if usable <= 0:
+            raise ValueError(
+                f"planner.dram_budget={dram_budget!r} leaves no DRAM for tables and caches: "
+                "give a positive size (e.g. 64MB), or leave it empty for the hardware's"
+            )
         capacity = usable + parse_size(topology.dram_reserved, "hardware.dram_reserved")
         topology = dataclasses.replace(
             topology, dram=dataclasses.replace(topology.dram, capacity=str(capacity))
         )
-    if byte_scm_budget:
+    if byte_scm_budget != "":
         if topology.byte_scm is None:
             raise ValueError("planner.byte_scm_budget is set but the hardware has no byte SCM")
         size = parse_size(byte_scm_budget, "planner.byte_scm_budget")
+        if size <= 0:
+            raise ValueError(
+                f"planner.byte_scm_budget={byte_scm_budget!r}: give a positive size, or leave it "
+                "empty for the hardware's (to plan without byte SCM, use a preset without it)"
+            )
         topology = dataclasses.replace(
             topology, byte_scm=dataclasses.replace(topology.byte_scm, capacity=str(size))
         )

@@ -4,7 +4,8 @@ A host has DRAM, optionally GPUs with HBM, and optionally the two storage-class 
 addressable: PMem / CXL memory / a mapped file; block addressable: an Optane or NAND NVMe SSD).
 Each tier is described by what the perf model needs: capacity, read/write bandwidth and latency,
 the size of the device's internal access unit, and for block devices IOPS, block size and queue
-depth. The presets live in ``conf/hardware/*.yaml`` and cite where every figure comes from.
+depth. The presets ship with the package (``torchrec_mtrains/conf/hardware/*.yaml``) and cite
+where every figure comes from; a Hydra app reaches them through ``pkg://torchrec_mtrains.conf``.
 
 Why plain (not frozen) dataclasses: OmegaConf makes nodes of frozen dataclasses read-only, so
 YAML values could not be merged onto the schema. Instances are validated in ``__post_init__``
@@ -28,18 +29,22 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from torchrec_mtrains.tiers import TIERS, BlockScmOptions, TierOptions
 from torchrec_mtrains.types import Tier
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CONF_DIR",
     "BlockTierConfig",
     "CacheManagerConfig",
     "ComputeConfig",
@@ -53,12 +58,14 @@ __all__ = [
     "load_topology",
     "on_compute_device",
     "parse_size",
+    "preset_path",
     "register_configs",
+    "store_options",
     "topology_from_config",
 ]
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-"""The repository's Hydra config directory (``conf/``), where the hardware presets live."""
+PRESETS_PACKAGE = "torchrec_mtrains.conf"
+"""The package whose ``hardware/`` folder holds the presets (a Hydra ``pkg://`` search path)."""
 
 _UNITS = {
     "": 1,
@@ -164,8 +171,9 @@ class BlockTierConfig(MemoryTierConfig):
     Args:
         read_iops / write_iops: random ``block_size`` I/Os per second at ``queue_depth``.
         block_size: the I/O unit in bytes (also ``access_bytes``: a row straddling two blocks
-            costs two I/Os).
-        queue_depth: I/Os the tier keeps in flight per rank (the IOPS figures assume it).
+            costs two I/Os). The block stores use it too (see :func:`store_options`).
+        queue_depth: I/Os the tier keeps in flight per rank (the IOPS figures assume it); the
+            block stores run at this depth (see :func:`store_options`).
         (other fields as for :class:`MemoryTierConfig`; latencies are per I/O at queue depth 1.)
     """
 
@@ -309,8 +317,13 @@ class HostTopology:
         compute: cost of the fused embedding kernel on the compute device.
         cache_manager: cost of the cache in front of a storage tier.
         network: links between ranks.
-        tier_root / dirs / block_size: where the tiered kernel keeps its files on this host
-            (read by the DLRM app; see ``TierStorage``).
+        tier_root: where the tiered kernel keeps its files on this host; ``None`` leaves it to
+            the job (the DLRM app: ``<run.dir>/tiers``, so every run has its own).
+        dirs: per-tier directories that win over ``tier_root`` (a PMem or NVMe mount); the
+            storage tiers are listed with ``None`` so that ``hardware.dirs={block_scm:...}``
+            overrides a key that exists.
+        block_size: the block tier's I/O unit in bytes; the presets copy it into
+            ``block_scm.block_size``, which wins where the two differ (see :func:`store_options`).
     """
 
     name: str = "unnamed"
@@ -324,8 +337,10 @@ class HostTopology:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     cache_manager: CacheManagerConfig = field(default_factory=CacheManagerConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
-    tier_root: str = "runs/tiers"
-    dirs: dict[str, str] = field(default_factory=dict)
+    tier_root: str | None = None
+    dirs: dict[str, str | None] = field(
+        default_factory=lambda: {Tier.BYTE_SCM.value: None, Tier.BLOCK_SCM.value: None}
+    )
     block_size: int = 4096
 
     def __post_init__(self) -> None:
@@ -431,6 +446,51 @@ def topology_from_config(node: DictConfig | Mapping[str, Any]) -> HostTopology:
     return obj
 
 
+def store_options(host: HostTopology) -> dict[str, TierOptions]:
+    """The options the tiered kernel opens ``host``'s storage tiers with, tier name -> options
+    (for ``TierStorage(tier_options=...)``).
+
+    Each registered tier the host describes gets its options type with the fields it lists as
+    ``hardware_fields`` copied from the tier's hardware config (for ``block_scm``: ``block_size``
+    and ``queue_depth`` of :class:`BlockTierConfig`), so a store runs with exactly the figures
+    the perf model costs its I/O with; other options keep their defaults. A host without a
+    block tier still gets ``block_scm`` options with its ``block_size`` (the size-rule planner
+    places tables on block SCM without a hardware model of it).
+
+    Raises:
+        ValueError: when a tier's hardware config lacks a field its options take from it, or
+            a value is not valid for the store (naming the tier and the option).
+    """
+    out: dict[str, TierOptions] = {}
+    for tier in host.tiers():
+        store_cls = TIERS.get(tier.value)
+        if store_cls is None:  # HBM holds caches, not stores
+            continue
+        config = host.memory(tier)
+        options_type = store_cls.options_type
+        missing = [f for f in options_type.hardware_fields if not hasattr(config, f)]
+        if missing:
+            raise ValueError(
+                f"host {host.name!r}: {options_type.__qualname__} takes {', '.join(missing)} "
+                f"from the {tier.value} hardware config, which has none"
+            )
+        out[tier.value] = options_type.from_mapping(
+            {f: getattr(config, f) for f in options_type.hardware_fields}
+        )
+    if host.block_scm is None:
+        out[Tier.BLOCK_SCM.value] = BlockScmOptions(block_size=host.block_size)
+    elif host.block_scm.block_size != host.block_size:
+        logger.warning(
+            "host %r: block_scm.block_size=%d differs from block_size=%d; the block stores use "
+            "%d, as the perf model does",
+            host.name,
+            host.block_scm.block_size,
+            host.block_size,
+            host.block_scm.block_size,
+        )
+    return out
+
+
 def on_compute_device(
     topology: HostTopology, device_type: str, gpu: GpuConfig | None = None
 ) -> HostTopology:
@@ -481,35 +541,61 @@ def detected_gpu(count: int | None = None) -> GpuConfig:
     )
 
 
-def available_presets(conf_dir: str | Path | None = None) -> list[str]:
-    """Names of the hardware presets in ``conf/hardware``."""
-    root = Path(conf_dir) if conf_dir is not None else CONF_DIR
-    return sorted(p.stem for p in (root / "hardware").glob("*.yaml"))
+def _preset_folder() -> Traversable:
+    return resources.files(PRESETS_PACKAGE) / "hardware"
 
 
-def load_topology(
-    name: str, overrides: Sequence[str] = (), conf_dir: str | Path | None = None
-) -> HostTopology:
-    """Composes ``conf/config.yaml`` with ``hardware=<name>`` (so interpolations such as the
-    run directory resolve as in the app) and validates its ``hardware`` node.
+def available_presets() -> list[str]:
+    """Names of the hardware presets shipped with the package."""
+    return sorted(
+        p.name.removesuffix(".yaml") for p in _preset_folder().iterdir() if p.name.endswith(".yaml")
+    )
 
-    Args:
-        name: preset name (a file in ``conf/hardware``).
-        overrides: further Hydra overrides, e.g. ``["hardware.dram.capacity=64GiB"]``.
-        conf_dir: config directory (default: the repository's ``conf/``).
+
+def preset_path(name: str) -> Path:
+    """The YAML file of preset ``name``.
 
     Raises:
-        ValueError: for an unknown preset (listing the available ones) or an invalid one.
+        ValueError: for an unknown preset, listing the available ones.
     """
-    from hydra import compose, initialize_config_dir
+    found = _preset_folder() / f"{name}.yaml"
+    if not found.is_file():
+        raise ValueError(
+            f"unknown hardware preset {name!r}; available: {', '.join(available_presets())}"
+        )
+    return Path(str(found))
 
-    root = Path(conf_dir).resolve() if conf_dir is not None else CONF_DIR
-    presets = available_presets(root)
-    if name not in presets:
-        raise ValueError(f"unknown hardware preset {name!r}; available: {', '.join(presets)}")
-    with initialize_config_dir(config_dir=str(root), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"hardware={name}", *overrides])
-    return topology_from_config(cfg.hardware)
+
+def load_topology(name_or_path: str | Path, overrides: Sequence[str] = ()) -> HostTopology:
+    """A preset (by name) or a hardware YAML file (by path), with dotted overrides applied.
+
+    Args:
+        name_or_path: a preset name (:func:`available_presets`) or the path of a YAML file in
+            the presets' format.
+        overrides: ``key=value`` strings, with or without the ``hardware.`` prefix the app's
+            Hydra overrides carry, e.g. ``["hardware.dram.capacity=64GiB"]``.
+
+    Raises:
+        ValueError: for an unknown preset, a missing file, a malformed override or an invalid
+            value, naming it.
+    """
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = preset_path(str(name_or_path))
+    elif not path.is_file():
+        raise ValueError(f"hardware file {path} does not exist")
+    dotlist = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"hardware override {item!r}: expected key=value")
+        dotlist.append(f"{key.removeprefix('hardware.')}={value}")
+    try:
+        node = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(dotlist))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"hardware {path}: {e}") from None
+    assert isinstance(node, DictConfig)
+    return topology_from_config(node)
 
 
 def register_configs(group: str = "hardware") -> None:

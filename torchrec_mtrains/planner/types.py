@@ -56,7 +56,7 @@ class PlannerConfig:
             for tables too big for one rank and to spread a hot table's load.
         balance_rounds: after a plan fits, how many times to try splitting the busiest rank's
             heaviest table to shorten the step.
-        profile: path of an access profile JSON (``python -m torchrec_mtrains.profile``);
+        profile: path of an access profile JSON (``python -m apps.dlrm.profile``);
             empty for none.
         dram_budget: host memory per host the embedding tables and their caches may use
             (e.g. ``2GB``), in place of the topology's DRAM capacity less ``dram_reserved``;

@@ -21,7 +21,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from torchrec_mtrains.distributed.sharders import TieredEmbeddingBagCollectionSharder
 from torchrec_mtrains.planner.access import TableAccess, from_profile, zipf_access
-from torchrec_mtrains.planner.planners import plan_tables, with_budgets
+from torchrec_mtrains.planner.planners import TablePlan, plan_tables, with_budgets
 from torchrec_mtrains.planner.stats import PlanSummary
 from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.planner.types import PlacementError, PlannerConfig
@@ -36,6 +36,7 @@ __all__ = [
     "host_variants",
     "min_hosts",
     "model_tables",
+    "plan_model",
 ]
 
 
@@ -108,6 +109,36 @@ def model_tables(model: Mapping[str, Any], profile: AccessProfile | None = None)
         configs=configs,
         poolings={c.name: float(p) for c, p in zip(configs, poolings)},
         access=access,
+    )
+
+
+def plan_model(
+    model: ModelTables,
+    host: HostTopology,
+    hosts: int,
+    batch_size: int,
+    *,
+    profile: AccessProfile | None = None,
+    sharder: TieredEmbeddingBagCollectionSharder | None = None,
+    config: PlannerConfig | None = None,
+) -> TablePlan:
+    """:func:`plan_tables` for ``model`` on ``hosts`` hosts like ``host``, one rank per
+    ``host.ranks_per_host``, with the model's access statistics and poolings.
+
+    Raises:
+        PlacementError: when the tables do not fit.
+    """
+    return plan_tables(
+        list(model.configs),
+        host,
+        hosts * host.ranks_per_host,
+        batch_size,
+        profile,
+        sharder,
+        local_world_size=host.ranks_per_host,
+        config=config,
+        access=dict(model.access),
+        poolings=dict(model.poolings),
     )
 
 
@@ -184,19 +215,9 @@ def min_hosts(
 
     def plan_at(hosts: int) -> PlanSummary | None:
         if hosts not in cache:
-            world = hosts * host.ranks_per_host
             try:
-                cache[hosts] = plan_tables(
-                    list(model.configs),
-                    host,
-                    world,
-                    batch_size,
-                    None,
-                    sharder,
-                    local_world_size=host.ranks_per_host,
-                    config=config,
-                    access=dict(model.access),
-                    poolings=dict(model.poolings),
+                cache[hosts] = plan_model(
+                    model, host, hosts, batch_size, sharder=sharder, config=config
                 ).summary
             except PlacementError:
                 cache[hosts] = None

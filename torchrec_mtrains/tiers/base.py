@@ -11,6 +11,10 @@ The header records the shape, so a file made for another table shape, dtype, tie
 version is refused when opened. New files are created with mode 0600 and preallocated in full,
 so a full device is reported when the store is created rather than as a lost write (or, for a
 memory mapping, a SIGBUS) later.
+
+How a store is opened beyond that (block size, queue depth, NUMA node, ...) is a small frozen
+:class:`TierOptions` dataclass per backend, registered with the store class
+(``RowStore.options_type``): one typed path from a config to a store, checked key by key.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import numbers
 import os
 import stat
 import struct
 import threading
+import types
+import typing
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -163,6 +170,135 @@ class FileHeader:
             )
 
 
+_O = TypeVar("_O", bound="TierOptions")
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """How the stores of one tier are opened; each backend subclasses it with its own fields.
+
+    A subclass is a frozen dataclass that sets ``tier`` to the name of the tier it configures
+    and is named by that store class's ``options_type`` (:func:`register_tier` checks the pair).
+    Values are checked when an instance is made: each field against its annotation (a string
+    becomes the enum the field is annotated with; ``bool`` is not an ``int``), then
+    :meth:`validate`. Every error is a ``ValueError`` naming the tier and the option.
+
+    ``hardware_fields`` lists the fields that describe the device as the planner models it too:
+    the tier's hardware config (e.g. ``BlockTierConfig``) has fields of the same names, and
+    :func:`torchrec_mtrains.planner.topology.store_options` copies them from the host topology,
+    so a store runs with the queue depth and block size the perf model assumed.
+
+    Example::
+
+        options = TIERS["block_scm"].options_type.from_mapping({"queue_depth": 8})
+        store = open_store("block_scm", "/mnt/nvme0/run1", "t", layout, options=options)
+    """
+
+    tier: ClassVar[str] = ""
+    hardware_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        hints = _field_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            ok, converted = _convert(hints[f.name], value)
+            if not ok:
+                raise self.option_error(
+                    f.name, f"must be {_describe(hints[f.name])}, got {value!r}"
+                )
+            if converted is not value:
+                object.__setattr__(self, f.name, converted)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks the values beyond their types; raises :meth:`option_error` for a bad one."""
+
+    @classmethod
+    def option_error(cls, option: str, problem: str) -> ValueError:
+        """The error for a bad value of ``option``: ``tier 'block_scm' option 'queue_depth'
+        must be >= 1, got 0``."""
+        return ValueError(f"tier {cls.tier!r} option {option!r} {problem}")
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The options this tier takes, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_mapping(cls: type[_O], values: Mapping[str, Any]) -> _O:
+        """The options ``values`` (e.g. a config section) set, defaults for the rest.
+
+        Raises:
+            ValueError: for a key that is not an option of this tier (naming the tier, the key
+                and the allowed keys) or a bad value.
+        """
+        allowed = cls.option_names()
+        unknown = [str(k) for k in values if k not in allowed]
+        if unknown:
+            raise ValueError(
+                f"tier {cls.tier!r}: unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; allowed: {', '.join(allowed) or '(none)'}"
+            )
+        return cls(**{str(k): v for k, v in values.items()})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (enums as their values), for logs and benchmark JSON."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, enum.Enum) else value
+        return out
+
+
+def _field_hints(cls: type[TierOptions]) -> dict[str, Any]:
+    # Resolved here, not in the class body: ``from __future__ import annotations`` makes
+    # the annotations strings, evaluated in the subclass's module.
+    return typing.get_type_hints(cls)
+
+
+def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
+    """Whether ``value`` fits the annotation ``hint``, and the value to store (an enum member
+    for its value, a float for an int)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, converted = _convert(arg, value)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return ok, int(value) if ok and type(value) is not int else value
+    if hint is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return ok, float(value) if ok and type(value) is not float else value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return True, hint(value)
+        except ValueError:
+            return False, value
+    if isinstance(hint, type):
+        return isinstance(value, hint), value
+    return True, value
+
+
+_PLAIN_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _describe(hint: Any) -> str:
+    """What ``hint`` accepts, in words."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
+    return _PLAIN_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
 @dataclass
 class TierStats:
     """Counters every store keeps the same way, for logs and benchmarks.
@@ -190,9 +326,10 @@ class TierStats:
 class RowStore(ABC):
     """One table's rows on one tier.
 
-    Subclasses set ``name`` and implement the ``_read_rows`` / ``_write_rows`` / ``_flush`` /
-    ``_close`` hooks; this base validates arguments, converts dtypes, keeps the counters and
-    handles open modes, so every tier behaves alike at its edges.
+    Subclasses set ``name`` and ``options_type`` (their :class:`TierOptions` dataclass) and
+    implement the ``_read_rows`` / ``_write_rows`` / ``_flush`` / ``_close`` hooks; this base
+    validates arguments, converts dtypes, keeps the counters and handles open modes, so every
+    tier behaves alike at its edges.
 
     Thread safety: ``read_rows`` may be called from several threads at once; ``write_rows`` calls
     are serialized with each other by the base. A read racing a write of the same row may see
@@ -203,6 +340,8 @@ class RowStore(ABC):
         table: table (or shard) name; becomes the file name, so no path separators.
         layout: shape of the rows.
         mode: what to do with an existing file (see :class:`OpenMode`).
+        options: the tier's options, an instance of ``options_type`` (``None``: its defaults);
+            kept as :attr:`options`.
 
     Example::
 
@@ -213,6 +352,8 @@ class RowStore(ABC):
     """
 
     name: ClassVar[str]
+    options_type: ClassVar[type[TierOptions]]
+    options: TierOptions
 
     def __init__(
         self,
@@ -221,7 +362,9 @@ class RowStore(ABC):
         layout: RowLayout,
         *,
         mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+        options: TierOptions | None = None,
     ) -> None:
+        self.options = _own_options(self.name, self.options_type, options)
         self.layout = layout
         self.table = table
         self.mode = OpenMode(mode)
@@ -570,21 +713,74 @@ def _fsync_directory(directory: Path) -> None:
 # --------------------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, type[RowStore]] = {}
+_S = TypeVar("_S", bound=type[RowStore])
 TIERS: Mapping[str, type[RowStore]] = MappingProxyType(_REGISTRY)
 """Read-only view of the registered tiers, by name."""
 
 
-def register_tier(cls: type[RowStore], *, clobber: bool = False) -> type[RowStore]:
+def register_tier(cls: _S, *, clobber: bool = False) -> _S:
     """Registers a store class under ``cls.name``; usable as a class decorator.
 
-    Raises ``ValueError`` if the name is taken and ``clobber`` is false."""
+    Raises ``ValueError`` if the name is taken and ``clobber`` is false, or if ``cls`` has no
+    ``options_type`` for its tier."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__qualname__} must define a non-empty class attribute 'name'")
+    options_type = getattr(cls, "options_type", None)
+    if not (isinstance(options_type, type) and issubclass(options_type, TierOptions)):
+        raise ValueError(
+            f"{cls.__qualname__} must set the class attribute 'options_type' to its "
+            "TierOptions subclass"
+        )
+    if options_type.tier != name:
+        raise ValueError(
+            f"{cls.__qualname__}.options_type is {options_type.__qualname__}, whose tier is "
+            f"{options_type.tier!r}, not {name!r}"
+        )
     if name in _REGISTRY and _REGISTRY[name] is not cls and not clobber:
         raise ValueError(f"tier {name!r} is already registered to {_REGISTRY[name].__qualname__}")
     _REGISTRY[name] = cls
     return cls
+
+
+def tier_class(tier: str) -> type[RowStore]:
+    """The store class registered as ``tier``; ``ValueError`` listing the registered tiers."""
+    try:
+        return TIERS[tier]
+    except KeyError:
+        raise ValueError(
+            f"unknown tier {tier!r}; registered tiers: {', '.join(sorted(TIERS))}"
+        ) from None
+
+
+def resolve_options(
+    tier: str, options: TierOptions | Mapping[str, Any] | None = None
+) -> TierOptions:
+    """``tier``'s options from a typed object, a mapping such as a config section (checked key
+    by key, see :meth:`TierOptions.from_mapping`) or ``None`` (the defaults).
+
+    Raises:
+        ValueError: for an unknown tier, options of another tier, an unknown key or a bad
+            value, naming the tier and the option.
+    """
+    options_type = tier_class(tier).options_type
+    if options is None or isinstance(options, TierOptions):
+        return _own_options(tier, options_type, options)
+    return options_type.from_mapping(options)
+
+
+def _own_options(
+    tier: str, options_type: type[TierOptions], options: TierOptions | None
+) -> TierOptions:
+    """``options`` (the defaults for ``None``) when they are ``tier``'s kind."""
+    if options is None:
+        return options_type()
+    if not isinstance(options, options_type):
+        raise ValueError(
+            f"tier {tier!r} takes {options_type.__qualname__}, got "
+            f"{type(options).__qualname__} (options of tier {options.tier!r})"
+        )
+    return options
 
 
 def open_store(
@@ -592,13 +788,25 @@ def open_store(
     directory: str | os.PathLike[str],
     table: str,
     layout: RowLayout,
-    **options: Any,
+    *,
+    mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+    options: TierOptions | Mapping[str, Any] | None = None,
 ) -> RowStore:
-    """Opens ``table`` on the tier named ``tier``; options go to that tier's constructor."""
-    try:
-        cls = TIERS[tier]
-    except KeyError:
-        raise ValueError(
-            f"unknown tier {tier!r}; registered tiers: {', '.join(sorted(TIERS))}"
-        ) from None
-    return cls(directory, table, layout, **options)
+    """Opens ``table`` on the tier named ``tier``.
+
+    Args:
+        tier: a registered tier name (:data:`TIERS`).
+        directory: existing, writable directory for the store's file.
+        table: table (or shard) name.
+        layout: shape of the rows.
+        mode: what to do with an existing file (see :class:`OpenMode`).
+        options: the tier's :class:`TierOptions`, or a mapping of them (e.g.
+            ``{"engine": "aio", "block_size": 8192, "queue_depth": 4}``), or ``None`` for the
+            defaults; see :func:`resolve_options`.
+
+    Raises:
+        ValueError: for an unknown tier or bad options, naming the tier and the option.
+    """
+    return tier_class(tier)(
+        directory, table, layout, mode=mode, options=resolve_options(tier, options)
+    )

@@ -7,6 +7,10 @@ cover them, merges adjacent blocks into single I/Os and keeps ``queue_depth`` of
 (see :mod:`torchrec_mtrains.tiers._blockio`): random single-row reads are bound by device IOPS,
 which only a deep queue reaches. Writes read-modify-write the partially covered blocks and write
 each touched block once per pass.
+
+Block size and queue depth are also what the planner's perf model assumes of the device
+(``BlockTierConfig``); :class:`BlockScmOptions` marks them as ``hardware_fields`` so that they
+are built from the host topology rather than set twice.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torchrec_mtrains.tiers.base import (
     OpenMode,
     RowArray,
     RowStore,
+    TierOptions,
     register_tier,
 )
 from torchrec_mtrains.types import RowLayout
@@ -71,6 +76,52 @@ def _runs(blocks: I64Array, max_len: int) -> tuple[I64Array, I64Array]:
     return starts, lengths
 
 
+@dataclass(frozen=True)
+class BlockScmOptions(TierOptions):
+    """How block-SCM stores are opened.
+
+    Args:
+        block_size: I/O unit in bytes, a power of two >= 512 (the device's logical block size
+            or a multiple of it for O_DIRECT). The perf model costs I/Os of this size.
+        queue_depth: I/Os kept in flight at once; the perf model's IOPS figures are measured
+            at this depth.
+        direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
+            with one warning per process where it does not, e.g. on older tmpfs).
+        engine: ``auto`` (native AIO for O_DIRECT files, threads otherwise), ``aio`` or
+            ``threads`` (:class:`IOEngineKind`; its value is accepted too).
+        max_io_bytes: cap on one merged I/O, so a long sequential read still spreads over the
+            queue; at least ``block_size``.
+        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
+
+    Example::
+
+        BlockScmOptions(block_size=4096, queue_depth=64, engine=IOEngineKind.AIO)
+    """
+
+    tier: ClassVar[str] = "block_scm"
+    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth")
+
+    block_size: int = 4096
+    queue_depth: int = 32
+    direct: bool = True
+    engine: IOEngineKind = IOEngineKind.AUTO
+    max_io_bytes: int = 1 << 20
+    max_pass_bytes: int = 64 << 20
+
+    def validate(self) -> None:
+        bs = self.block_size
+        if bs < 512 or bs & (bs - 1):
+            raise self.option_error("block_size", f"must be a power of two >= 512, got {bs}")
+        if self.queue_depth < 1:
+            raise self.option_error("queue_depth", f"must be >= 1, got {self.queue_depth}")
+        if self.max_io_bytes < bs:
+            raise self.option_error(
+                "max_io_bytes", f"({self.max_io_bytes}) must be >= block_size ({bs})"
+            )
+        if self.max_pass_bytes < 1:
+            raise self.option_error("max_pass_bytes", f"must be >= 1, got {self.max_pass_bytes}")
+
+
 @register_tier
 class BlockSCMStore(RowStore):
     """Rows in a file accessed by aligned block I/O.
@@ -80,24 +131,20 @@ class BlockSCMStore(RowStore):
         table: table (or shard) name.
         layout: shape of the rows.
         mode: what to do with an existing file (see :class:`OpenMode`).
-        block_size: I/O unit in bytes, a power of two >= 512 (the device's logical block size
-            or a multiple of it for O_DIRECT).
-        queue_depth: I/Os kept in flight at once.
-        direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
-            with one warning per process where it does not, e.g. on older tmpfs).
-        engine: ``"auto"`` (native AIO for O_DIRECT files, threads otherwise), ``"aio"`` or
-            ``"threads"``.
-        max_io_bytes: cap on one merged I/O, so a long sequential read still spreads over the
-            queue.
-        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
+        options: block size, queue depth, engine and buffer limits (:class:`BlockScmOptions`;
+            defaults if ``None``). ``block_size`` and ``queue_depth`` are kept as attributes,
+            ``direct`` and ``engine`` as what the store ended up using.
 
     Example::
 
-        store = BlockSCMStore("/mnt/nvme0/run1", "t_big", RowLayout(100_000_000, 64, 1))
+        store = BlockSCMStore("/mnt/nvme0/run1", "t_big", RowLayout(100_000_000, 64, 1),
+                              options=BlockScmOptions(queue_depth=64))
         rows = store.read_rows(np.random.randint(0, 100_000_000, 4096))
     """
 
     name: ClassVar[str] = "block_scm"
+    options_type: ClassVar[type[TierOptions]] = BlockScmOptions
+    options: BlockScmOptions
 
     def __init__(
         self,
@@ -106,25 +153,15 @@ class BlockSCMStore(RowStore):
         layout: RowLayout,
         *,
         mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
-        block_size: int = 4096,
-        queue_depth: int = 32,
-        direct: bool = True,
-        engine: IOEngineKind | str = IOEngineKind.AUTO,
-        max_io_bytes: int = 1 << 20,
-        max_pass_bytes: int = 64 << 20,
+        options: BlockScmOptions | None = None,
     ) -> None:
-        if block_size < 512 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 512, got {block_size}")
-        if queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
-        if max_io_bytes < block_size:
-            raise ValueError(f"max_io_bytes ({max_io_bytes}) must be >= block_size ({block_size})")
-        engine_kind = IOEngineKind(engine)
-        super().__init__(directory, table, layout, mode=mode)
+        super().__init__(directory, table, layout, mode=mode, options=options)
+        opts = self.options
+        block_size, queue_depth, engine_kind = opts.block_size, opts.queue_depth, opts.engine
         self.block_size = block_size
         self.queue_depth = queue_depth
-        self._max_io_blocks = max_io_bytes // block_size
-        self._max_pass_blocks = max(1, max_pass_bytes // block_size)
+        self._max_io_blocks = opts.max_io_bytes // block_size
+        self._max_pass_blocks = max(1, opts.max_pass_bytes // block_size)
         # The header block(s) must end on a block boundary so data I/O never touches them; an
         # existing file made with a smaller block size is usable when its offset is aligned.
         self._prepare_file(
@@ -132,7 +169,7 @@ class BlockSCMStore(RowStore):
             self._file_bytes(max(DATA_OFFSET, block_size)),
             accept_data_offset=lambda offset: offset % block_size == 0,
         )
-        self._fd, self.direct = self._open(direct)
+        self._fd, self.direct = self._open(opts.direct)
         try:
             self._extend_to_whole_blocks()
             self._engine = make_engine(engine_kind, queue_depth, self.direct)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,6 +32,7 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
+    TierOptions,
     gather_rows,
     register_tier,
     scatter_rows,
@@ -38,6 +40,27 @@ from torchrec_mtrains.tiers.base import (
 from torchrec_mtrains.types import RowLayout
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ByteScmOptions(TierOptions):
+    """How byte-SCM stores are opened.
+
+    Args:
+        numa_node: bind the mapping's pages to this NUMA node (e.g. a CXL memory node);
+            ``None`` leaves placement to the kernel.
+        map_sync: ``None`` tries ``MAP_SYNC`` when the directory is on a DAX mount and falls
+            back to a plain shared mapping; ``True`` requires it; ``False`` never uses it.
+    """
+
+    tier: ClassVar[str] = "byte_scm"
+
+    numa_node: int | None = None
+    map_sync: bool | None = None
+
+    def validate(self) -> None:
+        if self.numa_node is not None and self.numa_node < 0:
+            raise self.option_error("numa_node", f"must be >= 0 or None, got {self.numa_node}")
 
 
 @register_tier
@@ -50,10 +73,7 @@ class ByteSCMStore(RowStore):
         table: table (or shard) name.
         layout: shape of the rows.
         mode: what to do with an existing file (see :class:`OpenMode`).
-        numa_node: bind the mapping's pages to this NUMA node (e.g. a CXL memory node);
-            ``None`` leaves placement to the kernel.
-        map_sync: ``None`` tries ``MAP_SYNC`` when the directory is on a DAX mount and falls
-            back to a plain shared mapping; ``True`` requires it; ``False`` never uses it.
+        options: NUMA binding and ``MAP_SYNC`` (:class:`ByteScmOptions`; defaults if ``None``).
 
     Example::
 
@@ -63,6 +83,8 @@ class ByteSCMStore(RowStore):
     """
 
     name: ClassVar[str] = "byte_scm"
+    options_type: ClassVar[type[TierOptions]] = ByteScmOptions
+    options: ByteScmOptions
 
     def __init__(
         self,
@@ -71,10 +93,10 @@ class ByteSCMStore(RowStore):
         layout: RowLayout,
         *,
         mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
-        numa_node: int | None = None,
-        map_sync: bool | None = None,
+        options: ByteScmOptions | None = None,
     ) -> None:
-        super().__init__(directory, table, layout, mode=mode)
+        super().__init__(directory, table, layout, mode=mode, options=options)
+        numa_node, map_sync = self.options.numa_node, self.options.map_sync
         if numa_node is not None:
             _check_node(numa_node)
         self._prepare_file(DATA_OFFSET)

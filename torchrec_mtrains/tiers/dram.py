@@ -8,6 +8,7 @@ to the file, so flushing a large, mostly-read table is cheap.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,6 +21,7 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
+    TierOptions,
     gather_rows,
     register_tier,
     scatter_rows,
@@ -33,6 +35,14 @@ _CHUNK_BYTES = 1 << 20
 _IO_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
+class DramOptions(TierOptions):
+    """The DRAM tier takes no options (its file is written back only on flush); the class
+    exists so that every tier is configured the same way."""
+
+    tier: ClassVar[str] = "dram"
+
+
 @register_tier
 class DramStore(RowStore):
     """Rows in host memory (storage dtype), loaded from the file on open and written back to
@@ -43,6 +53,7 @@ class DramStore(RowStore):
         table: table (or shard) name.
         layout: shape of the rows.
         mode: what to do with an existing file (see :class:`OpenMode`).
+        options: :class:`DramOptions` (none to set).
 
     Example::
 
@@ -52,6 +63,8 @@ class DramStore(RowStore):
     """
 
     name: ClassVar[str] = "dram"
+    options_type: ClassVar[type[TierOptions]] = DramOptions
+    options: DramOptions
 
     def __init__(
         self,
@@ -60,8 +73,9 @@ class DramStore(RowStore):
         layout: RowLayout,
         *,
         mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+        options: DramOptions | None = None,
     ) -> None:
-        super().__init__(directory, table, layout, mode=mode)
+        super().__init__(directory, table, layout, mode=mode, options=options)
         self._prepare_file(DATA_OFFSET)
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
