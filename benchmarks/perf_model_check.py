@@ -3,7 +3,7 @@
 Two subcommands:
 
 ``calibrate``
-    measures the primitive costs the local hardware preset (``conf/hardware/local.yaml``)
+    measures the primitive costs the local hardware preset (``torchrec_mtrains/conf/hardware/local.yaml``)
     holds, each in isolation: TorchRec's fused CPU kernel through ``DistributedModelParallel``
     (tables on FUSED only), the row cache's bookkeeping (the tiered kernel on the ``dram`` tier,
     timing its remapping step), and the two storage tiers' stores reading and writing random
@@ -464,7 +464,7 @@ def calibrate(args: argparse.Namespace) -> None:
                 shutil.rmtree(shm, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n# measured figures for conf/hardware/local*.yaml")
+    print("\n# measured figures for torchrec_mtrains/conf/hardware/local*.yaml")
     for section, values in result.items():
         print(f"{section}:")
         for key, value in values.items():

@@ -4,7 +4,7 @@ The app (``python -m apps.dlrm.train``) trains ``conf/model/w2_large.yaml`` (26 
 features, 12.2 GiB of tables with their row-wise Adagrad state) inside a memory cgroup capped at
 ``--cap`` (default 4 GiB, so the tables are over 3x the cap): page cache included, so nothing
 can hide in it. The tiered planner places the tables on this host as the cap leaves it, from an
-access profile of the data (``python -m torchrec_mtrains.profile``, run first, uncapped): DRAM
+access profile of the data (``python -m apps.dlrm.profile``, run first, uncapped): DRAM
 for tables and caches limited to ``--dram-budget``, and no byte tier (a memory-mapped byte tier
 would live in the capped page cache); so the big tables go to the block tier (O_DIRECT) behind
 row caches, trained with the look-ahead pipeline. The run evaluates and writes its final
@@ -87,7 +87,7 @@ def profile_command(args: argparse.Namespace, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torchrec_mtrains.profile",
+        "apps.dlrm.profile",
         "--out",
         str(out),
         "--max-batches",

@@ -3,7 +3,9 @@ directory holds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -12,15 +14,23 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
 
 from apps.dlrm.errors import ConfigError
+from apps.dlrm.model import tier_mounts, tier_root
 from torchrec_mtrains.types import Tier
 
 TIER_FILE_GLOB = "*.rows"
 
 
+class Position(NamedTuple):
+    """Where training stands in the data: the epoch and the next batch (per rank) in it."""
+
+    epoch: int
+    batch: int
+
+
 def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
     """This rank's tier files, path -> (device, inode), to tell reopened files from new ones."""
-    roots = [Path(str(cfg.hardware.tier_root)) / t.value for t in Tier]
-    roots += [Path(str(d)) for d in cfg.hardware.dirs.values()]
+    roots = [tier_root(cfg) / t.value for t in Tier]
+    roots += [Path(d) for d in tier_mounts(cfg).values()]
     out: dict[str, tuple[int, int]] = {}
     for root in roots:
         for path in (root / f"rank{rank}").glob(TIER_FILE_GLOB):
@@ -42,17 +52,39 @@ def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def save_checkpoint(
-    model: DistributedModelParallel, optimizer: CombinedOptimizer, run_dir: Path, step: int
+    model: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    run_dir: Path,
+    step: int,
+    position: Position | None = None,
 ) -> Path:
     """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
-    their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete."""
+    their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete and records the
+    data ``position`` a resumed run continues from (default: ``step`` batches into epoch 0)."""
     path = checkpoint_dir(run_dir, step)
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
     dist.barrier()
     if dist.get_rank() == 0:
-        (path / "DONE").write_text(str(step))
+        epoch, batch = position or Position(0, step)
+        (path / "DONE").write_text(json.dumps({"step": step, "epoch": epoch, "batch": batch}))
     dist.barrier()
     return path
+
+
+def checkpoint_position(path: Path) -> Position:
+    """The data position a checkpoint was taken at. A ``DONE`` holding only the step (written
+    before epochs existed) means that many batches into the first epoch."""
+    done = path / "DONE"
+    try:
+        record = json.loads(done.read_text())
+        if isinstance(record, int):
+            return Position(0, record)
+        return Position(int(record["epoch"]), int(record["batch"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{done} does not say where the checkpoint stands ({e!r}): delete that checkpoint "
+            "to resume from an earlier one"
+        ) from None
 
 
 def load_checkpoint(

@@ -28,12 +28,11 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
-from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device
+from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device, store_options
 from torchrec_mtrains.profiler import AccessProfile
 from torchrec_mtrains.tiers.base import OpenMode
 
 logger: logging.Logger = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 
@@ -47,14 +46,30 @@ def size_option(cfg: DictConfig, key: str) -> int:
         raise ConfigError(str(e)) from None
 
 
+def tier_root(cfg: DictConfig) -> Path:
+    """``hardware.tier_root``, or this run's own ``<run.dir>/tiers`` when the preset leaves it
+    unset (so two runs never share tier files by accident)."""
+    root = OmegaConf.select(cfg, "hardware.tier_root")
+    return Path(str(root)) if root else Path(str(cfg.run.dir)) / "tiers"
+
+
+def tier_mounts(cfg: DictConfig) -> dict[str, str]:
+    """The tiers ``hardware.dirs`` places elsewhere (a PMem or NVMe mount), tier -> directory."""
+    dirs = OmegaConf.select(cfg, "hardware.dirs") or {}
+    return {str(k): str(v) for k, v in dirs.items() if v}
+
+
 def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
-    """Where the tier files go: ``hardware.tier_root`` unless ``hardware.dirs`` names a tier."""
+    """Where the tier files go (``hardware.tier_root`` unless ``hardware.dirs`` names a tier)
+    and how the stores are opened: with the hardware topology's figures (``store_options``),
+    e.g. ``hardware.block_scm.queue_depth``, the ones the tiered planner plans with."""
     hw = cfg.hardware
     try:
         return TierStorage(
-            root=str(hw.tier_root),
-            dirs={str(k): str(v) for k, v in hw.dirs.items()},
-            tier_options={"block_scm": {"block_size": int(hw.block_size)}},
+            root=str(tier_root(cfg)),
+            dirs=tier_mounts(cfg),
+            # The planner's figures (block size, queue depth), so the stores run as it assumed.
+            tier_options=store_options(topology_from_config(hw)),
             open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
         )
     except ValueError as e:
@@ -204,13 +219,18 @@ def tiered_plan(
     return table_plan.plan, str(table_plan.summary)
 
 
-def _poolings(cfg: DictConfig, names: list[str]) -> dict[str, float]:
-    """Ids per sample of tables the profile does not cover, from ``model.pooling_factors`` or
-    ``data.pooling_factors`` (one value for all, or one per table in order); none if unset."""
+def pooling_factors(cfg: DictConfig) -> list[float]:
+    """Ids per sample the planner assumes where no profile says: ``model.pooling_factors``,
+    else the data's ``data.pooling_factors`` (one value for all tables, or one per table)."""
     found = OmegaConf.select(cfg, "model.pooling_factors") or OmegaConf.select(
         cfg, "data.pooling_factors"
     )
-    values = [float(v) for v in found or []]
+    return [float(v) for v in found or []]
+
+
+def _poolings(cfg: DictConfig, names: list[str]) -> dict[str, float]:
+    """:func:`pooling_factors` by table name; none if unset or of the wrong length."""
+    values = pooling_factors(cfg)
     if len(values) == 1:
         values *= len(names)
     return dict(zip(names, values)) if len(values) == len(names) else {}

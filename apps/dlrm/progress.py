@@ -15,7 +15,8 @@ class Progress:
     """Reports steps ``initial..total`` of a run.
 
     Args:
-        total: the last step.
+        total: the last step; None when unknown before the end (epochs over data of unknown
+            length), then the count is shown without a share.
         initial: the step the run starts at (after a resume, the checkpoint's).
         enabled: whether to report at all (``run.progress`` and rank 0).
         every_s: without a terminal, the seconds between two lines.
@@ -32,7 +33,7 @@ class Progress:
 
     def __init__(
         self,
-        total: int,
+        total: int | None,
         initial: int,
         enabled: bool,
         every_s: float,
@@ -74,6 +75,12 @@ class Progress:
         if now - self._last_line >= self._every_s:
             self._line(now)
 
+    def show(self, fields: dict[str, str]) -> None:
+        """Replaces the shown fields without a step (numbers of the last steps of a run)."""
+        self._fields = dict(fields)
+        if self._bar is not None:
+            self._bar.set_postfix(self._fields, refresh=True)
+
     def close(self) -> None:
         """Ends the bar, or writes the last line if steps were done since the previous one."""
         if self._bar is not None:
@@ -84,10 +91,9 @@ class Progress:
     def _line(self, now: float) -> None:
         elapsed = now - self._started
         text = " ".join(f"{k}={v}" for k, v in self._fields.items())
-        self._stream.write(
-            f"step {self._step}/{self._total} ({self._step / max(1, self._total):.0%}) "
-            f"{elapsed:.0f}s {text}".rstrip()
-            + "\n"
-        )
+        where = f"step {self._step}"
+        if self._total is not None:
+            where += f"/{self._total} ({self._step / max(1, self._total):.0%})"
+        self._stream.write(f"{where} {elapsed:.0f}s {text}".rstrip() + "\n")
         self._stream.flush()
         self._last_line, self._reported = now, self._step

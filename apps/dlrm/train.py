@@ -4,7 +4,12 @@ Run ``python -m apps.dlrm.train`` (Hydra; override anything, e.g. ``run.steps=50
 torchrun / ``torchx run -s local_cwd`` each process joins the job's group (NCCL on CUDA, gloo on
 CPU) from the environment; alone, it forms a one-process group. ``main(cfg)`` is the testable
 entry point. Its parts: ``model`` (plan, sharded DLRM, optimizers), ``checkpoints``, ``report``
-(evaluation, summary) and ``errors``.
+(evaluation, history, TensorBoard, summary) and ``errors``.
+
+Training runs ``run.epochs`` passes over the training split, cut short at ``run.steps`` steps;
+evaluation reads the held-out split only. Every step and every evaluated batch is a collective
+(the sharded embeddings exchange ids), so all ranks run the same number of them: a rank whose
+data runs out ends the epoch for all.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,23 +39,35 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
 
 from apps.dlrm.checkpoints import (
+    Position,
+    checkpoint_position,
     last_checkpoint,
     load_checkpoint,
     resume_point,
     save_checkpoint,
     tier_files,
 )
-from apps.dlrm.data import build_dataloader
+from apps.dlrm.config import CONF_DIR, check_keys
+from apps.dlrm.data import Split, build_dataloader
 from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
-from apps.dlrm.model import CONF_DIR, build_model, lookahead_depth
+from apps.dlrm.model import build_model, lookahead_depth
 from apps.dlrm.progress import Progress
-from apps.dlrm.report import evaluate, gathered_tier_stats, hit_rate, io_totals, summary
+from apps.dlrm.report import (
+    EvalResult,
+    RunLog,
+    TrainWindow,
+    evaluate,
+    gathered_tier_stats,
+    hit_rate,
+    io_totals,
+    summary,
+)
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed.runtime import (
     init_process_group,
     resolve_device,
 )
-from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tier_stats, tiered_groups
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.tiers.base import RowStoreError
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
@@ -91,14 +110,16 @@ def _prepare_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
-def _batches(cfg: DictConfig, rank: int, world: int, start: int) -> Iterator[Batch]:
-    """This rank's batches from ``start`` on; data config problems (a missing file, a bad
-    value) surface here, before any table is built."""
+def _source(
+    cfg: DictConfig, rank: int, world: int, split: Split, start: int = 0
+) -> Iterable[Batch]:
+    """This rank's batches of ``split`` from batch ``start`` on; data config problems (a
+    missing file, a bad value) surface here, before any table is built."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
     if not isinstance(data, dict):
         raise ConfigError(f"data must be a mapping, got {data!r}")
     try:
-        source = build_dataloader(data, rank, world, start_batch=start)  # type: ignore[arg-type]
+        return build_dataloader(data, rank, world, start_batch=start, split=split)  # type: ignore[arg-type]
     except FileNotFoundError as e:
         raise ConfigError(
             f"data file not found: {e.filename or e}. Point the data config at existing files, "
@@ -106,16 +127,175 @@ def _batches(cfg: DictConfig, rank: int, world: int, start: int) -> Iterator[Bat
         ) from None
     except ValueError as e:
         raise ConfigError(f"data (kind {data.get('kind')!r}): {e}") from None
-    return iter(source)
+
+
+def _in_step(
+    source: Iterable[Batch], world: int, device: torch.device
+) -> tuple[Iterator[Batch], int | None]:
+    """``source`` cut to the batches every rank has, and their number when known up front.
+
+    A source with a length agrees on the shortest once; one without (a text file's lines are
+    not counted in advance) agrees before each batch whether every rank still has one."""
+    if isinstance(source, Sized):
+        count = len(source)
+        if world > 1:
+            shortest = torch.tensor([count], device=device)
+            dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
+            count = int(shortest)
+        return itertools.islice(source, count), count
+    if world == 1:
+        return iter(source), None
+    return _while_all_have(iter(source), device), None
+
+
+def _while_all_have(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
+    while True:
+        batch = next(batches, None)
+        have = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if batch is None or not bool(have):
+            return
+        yield batch
+
+
+def _count_option(cfg: DictConfig, key: str, minimum: int, default: int | None) -> int | None:
+    value = OmegaConf.select(cfg, key, default=default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r}: give a whole number >= {minimum}, or null")
+    return value
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long to train: ``epochs`` passes over the training split, cut short at ``steps``
+    steps in all, resumed ones included (``run.epochs``, ``run.steps``; None lifts that
+    limit, not both)."""
+
+    steps: int | None
+    epochs: int | None
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> Schedule:
+        steps = _count_option(cfg, "run.steps", minimum=0, default=None)
+        epochs = _count_option(cfg, "run.epochs", minimum=1, default=1)
+        if steps is None and epochs is None:
+            raise ConfigError(
+                "run.steps=null and run.epochs=null: the run would never end; set run.epochs "
+                "(passes over the training data) or run.steps (steps in all)"
+            )
+        return cls(steps, epochs)
+
+    def total(self, epoch_batches: int | None) -> int | None:
+        """The step the run ends at, when known before it starts."""
+        limits = [self.steps]
+        if self.epochs is not None and epoch_batches is not None:
+            limits.append(self.epochs * epoch_batches)
+        known = [n for n in limits if n is not None]
+        return min(known) if known else None
+
+
+@dataclass
+class _DataState:
+    """Where the training stream stands: the positions of the batches it handed out and that
+    are not trained yet (look-ahead reads ahead), and what it learnt of the epochs."""
+
+    queued: deque[Position] = field(default_factory=deque)
+    epoch_batches: int | None = None  # per rank, once known
+    empty: bool = False  # an epoch had no batch at all
+
+    def trained(self) -> Position:
+        """The position after the batch the step just trained."""
+        epoch, batch = self.queued.popleft()
+        return Position(epoch, batch + 1)
+
+
+def _training_batches(
+    cfg: DictConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    schedule: Schedule,
+    start: Position,
+    first: Iterable[Batch],
+    state: _DataState,
+) -> Iterator[Batch]:
+    """Every remaining epoch's training batches as one stream: ``first`` (the source from
+    ``start``), then a fresh pass per epoch, each in step over the ranks."""
+    epoch = start.epoch
+    while schedule.epochs is None or epoch < schedule.epochs:
+        resumed = epoch == start.epoch
+        index = start.batch if resumed else 0
+        source = first if resumed else _source(cfg, rank, world, Split.TRAIN)
+        batches, count = _in_step(source, world, device)
+        if count is not None:
+            state.epoch_batches = index + count
+        for batch in batches:
+            state.queued.append(Position(epoch, index))
+            index += 1
+            yield batch
+        if index == 0:
+            state.empty = True  # more passes would not find any either
+            return
+        state.epoch_batches = index
+        epoch += 1
+
+
+def _short_of_schedule(
+    cfg: DictConfig, schedule: Schedule, state: _DataState, step: int
+) -> list[str]:
+    """Why training ended before ``run.steps``, if it did."""
+    if state.empty:
+        return [f"the training split is empty (data.kind={cfg.data.kind}): nothing was trained"]
+    if schedule.steps is None or step >= schedule.steps:
+        return []
+    passes = f"pass{'es' if schedule.epochs != 1 else ''}"
+    return [
+        f"run.steps={schedule.steps} not reached: run.epochs={schedule.epochs} {passes} over "
+        f"{state.epoch_batches} training batches per rank end at step {step}; raise "
+        "run.epochs, or pass run.steps=null to train by epochs alone"
+    ]
+
+
+def _eval_warnings(cfg: DictConfig, result: EvalResult, world: int) -> list[str]:
+    """Why the evaluation's metrics are null, if they are, naming the options to change."""
+    if result.samples and result.auc is not None and result.ne is not None:
+        return []
+    if result.samples:
+        return [
+            f"all {result.samples} held-out samples have label {int(result.positives > 0)}: "
+            "eval AUC and NE are undefined (null); evaluate on more rows (run.eval_batches, "
+            "the held-out data options)"
+        ]
+    data = cfg.data
+    if data.kind == "criteo_tsv":
+        options = (
+            f"data.eval_paths={list(data.eval_paths)}, data.eval_fraction={data.eval_fraction}"
+        )
+    elif data.kind == "criteo_npy":
+        options = (
+            f"data.eval_stems={list(data.eval_stems)}, data.eval_fraction={data.eval_fraction}"
+        )
+    else:
+        options = f"data.num_batches={data.num_batches}"
+    ranks = f" for each of the {world} ranks" if world > 1 else ""
+    return [
+        f"evaluation got no held-out batch{ranks} ({options}): eval_auc, eval_ne and "
+        "eval_calibration are null. Name held-out files or hold out a larger share of the rows."
+    ]
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Trains ``cfg.run.steps`` batches, evaluates, writes ``metrics.json``; returns the metrics.
+    """Trains ``run.epochs`` passes over the training data (at most ``run.steps`` steps),
+    evaluates on the held-out data, writes ``metrics.json``, ``history.jsonl`` and TensorBoard
+    events; returns the metrics.
 
     Raises:
         ConfigError: for a configuration the user must fix (bad value, missing file,
             unwritable ``run.dir``, a run directory that already holds a run).
     """
+    check_keys(cfg)
     threads = int(cfg.run.get("num_threads", 0))
     caller_threads = torch.get_num_threads()
     if threads > 0:
@@ -159,11 +339,22 @@ def _train(
 ) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
     lookahead = lookahead_depth(cfg)
+    schedule = Schedule.from_config(cfg)
+    eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
     phases: dict[str, float] = {}
+    warned: list[str] = []
     t0 = time.perf_counter()
     last = resume_point(cfg, run_dir, rank)
-    start = last[0] if last is not None else 0
-    batches = _batches(cfg, rank, world, start)
+    start_step = last[0] if last is not None else 0
+    position = checkpoint_position(last[1]) if last is not None else Position(0, 0)
+    first = _source(cfg, rank, world, Split.TRAIN, position.batch)
+    held_out = _source(cfg, rank, world, Split.EVAL)
+    log = RunLog(
+        run_dir,
+        enabled=rank == 0,
+        tensorboard=bool(OmegaConf.select(cfg, "run.tensorboard", default=True)),
+        resumed_at=start_step if last is not None else None,
+    )
     files_before = tier_files(cfg, rank)
     try:
         model, optimizer, plan_text = build_model(cfg, world, last is not None, device)
@@ -179,91 +370,121 @@ def _train(
         t0 = time.perf_counter()
         load_checkpoint(model, optimizer, last[1])
         phases["restore"] = time.perf_counter() - t0
-        logger.info("resumed from %s at step %d", last[1], start)
+        logger.info(
+            "resumed from %s at step %d (epoch %d, batch %d)", last[1], start_step, *position
+        )
     if rank == 0:
         (run_dir / "plan.txt").write_text(plan_text + "\n")
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         ranks = f"{world} rank{'s' if world > 1 else ''} on {device.type}"
         print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
 
-    steps = int(cfg.run.steps)
+    batch_size = int(cfg.data.batch_size)
     model.train()
     progress = Progress(
-        total=steps,
-        initial=start,
+        total=schedule.total(len(first) + position.batch if isinstance(first, Sized) else None),
+        initial=start_step,
         enabled=rank == 0 and bool(cfg.run.progress),
         every_s=float(cfg.run.progress_every_s),
     )
+    log_every = max(1, int(cfg.run.log_every))
+    window = TrainWindow(model, batch_size, device)
     losses: list[float] = []
-    samples = 0
+    samples = 0  # this rank's
     groups = tiered_groups(model)
     io_before = snapshot(groups)
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
-    log_every = max(1, int(cfg.run.log_every))
-    step_fn = _plain_step(model, optimizer, batches, device)
+    state = _DataState()
+    stream = _training_batches(cfg, rank, world, device, schedule, position, first, state)
+    if schedule.steps is not None:
+        stream = itertools.islice(stream, max(0, schedule.steps - start_step))
+    step_fn = _plain_step(model, optimizer, stream, device)
     pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
     if lookahead:
-        # The pipeline reads ahead, so it gets exactly the training batches: evaluation
-        # continues on `batches` where training stopped, as in the plain loop.
         pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=lookahead)
-        step_fn = _pipelined_step(pipeline, itertools.islice(batches, steps - start))
+        step_fn = _pipelined_step(pipeline, stream)
     running = pipeline if pipeline is not None else contextlib.nullcontext()
-    with _cache_errors_explained(cfg), running:
-        for step in range(start, steps):
-            try:
-                loss, batch_size = step_fn()
-            except StopIteration:
-                logger.warning("data ran out after %d batches", step)
-                break
-            losses.append(loss)
-            samples += batch_size * world
-            fields = None
-            if rank == 0 and (step + 1) % log_every == 0:
-                rate = samples / (time.perf_counter() - timed_start)
-                so_far = snapshot(groups) - io_before
-                fields = {
-                    "samples_s": f"{rate:,.0f}",
-                    "loss": f"{losses[-1]:.4f}",
-                    "hit": f"{hit_rate(tier_stats(model)):.3f}",
-                    "stall": f"{so_far.io.stall_seconds / (time.perf_counter() - timed_start):.1%}",
-                }
-            progress.update(fields)
-            if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
-                save_checkpoint(model, optimizer, run_dir, step + 1)
-    progress.close()
-    elapsed = time.perf_counter() - timed_start
-    io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
-    trained_steps = len(losses)
+    step, saved = start_step, last
 
-    phases["train"] = elapsed
-    t0 = time.perf_counter()
-    with _cache_errors_explained(cfg):
-        auc, ne = evaluate(model, batches, int(cfg.run.eval_batches), device)
-    phases["eval"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ckpt: Path | None
-    if not cfg.run.final_checkpoint:
-        # The tiers hold the trained rows, but only a finished checkpoint can be resumed from.
-        found = last_checkpoint(run_dir)
-        ckpt = found[1] if found is not None else None
-    elif trained_steps == 0 and last is not None:
-        ckpt = last[1]  # nothing new to save
-    else:
-        ckpt = save_checkpoint(model, optimizer, run_dir, start + trained_steps)
-    phases["checkpoint"] = time.perf_counter() - t0
+    def report() -> dict[str, str]:
+        """A collective: the window's numbers to the history, TensorBoard and progress."""
+        record = window.report()
+        log.train(step, position.epoch, record)
+        return {
+            "samples_s": f"{record['samples_per_s']:,.0f}",
+            "loss": f"{record['loss']:.4f}",
+            "hit": "n/a" if record["hit_rate"] is None else f"{record['hit_rate']:.3f}",
+            "stall": f"{record['stall_share']:.1%}",
+        }
+
+    try:
+        with _cache_errors_explained(cfg), running:
+            while schedule.steps is None or step < schedule.steps:
+                try:
+                    loss, logits, labels = step_fn()
+                except StopIteration:
+                    break
+                step += 1
+                position = state.trained()
+                losses.append(loss)
+                samples += int(labels.numel())
+                window.add(loss, logits, labels)
+                progress.update(report() if step % log_every == 0 else None)
+                if ckpt_every and step % ckpt_every == 0:
+                    saved = (step, save_checkpoint(model, optimizer, run_dir, step, position))
+            if window.steps:
+                progress.show(report())  # the last steps, short of a whole window
+        progress.close()
+        elapsed = time.perf_counter() - timed_start
+        io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
+        all_samples = torch.tensor([samples], dtype=torch.float64, device=device)
+        if world > 1:
+            dist.all_reduce(all_samples)
+        warned.extend(_short_of_schedule(cfg, schedule, state, step))
+        phases["train"] = elapsed
+
+        t0 = time.perf_counter()
+        result: EvalResult | None = None
+        if eval_cap != 0:
+            batches, _ = _in_step(held_out, world, device)
+            with _cache_errors_explained(cfg):
+                result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
+            log.eval(step, result)
+            warned.extend(_eval_warnings(cfg, result, world))
+        phases["eval"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ckpt: Path | None
+        if not cfg.run.final_checkpoint:
+            # The tiers hold the trained rows, but only a finished checkpoint can be resumed from.
+            found = last_checkpoint(run_dir)
+            ckpt = found[1] if found is not None else None
+        elif saved is not None and saved[0] == step:
+            ckpt = saved[1]  # nothing new to save
+        else:
+            ckpt = save_checkpoint(model, optimizer, run_dir, step, position)
+        phases["checkpoint"] = time.perf_counter() - t0
+    finally:
+        log.close()
     stats = gathered_tier_stats(model, world)
     tail = losses[-max(1, len(losses) // 10) :]
+    epoch_batches = state.epoch_batches
+    finished = epoch_batches is not None and position.batch >= epoch_batches
     metrics: dict[str, Any] = {
         "world_size": world,
-        "steps": start + trained_steps,
-        "resumed_from_step": start if last is not None else None,
-        "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+        "steps": step,
+        "resumed_from_step": start_step if last is not None else None,
+        "epochs_completed": position.epoch + int(finished),
+        "batches_per_epoch": epoch_batches,
+        "samples_per_s": float(all_samples) / elapsed if elapsed > 0 else 0.0,
         "seconds": phases,
         "train_loss_last": losses[-1] if losses else None,
         "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
-        "eval_auc": auc,
-        "eval_ne": ne,
+        "eval_auc": result.auc if result else None,
+        "eval_ne": result.ne if result else None,
+        "eval_calibration": result.calibration if result else None,
+        "eval_samples": result.samples if result else 0,
+        "eval_batches": result.batches if result else 0,
         "cache_hit_rate": hit_rate(stats),
         "lookahead": lookahead,
         **io_train,
@@ -271,8 +492,11 @@ def _train(
         "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
         "checkpoint": str(ckpt) if ckpt is not None else None,
         "run_dir": str(run_dir),
+        "warnings": warned,
     }
     if rank == 0:
+        for message in warned:
+            logger.warning("%s", message)
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print(summary(metrics, run_dir), flush=True)
     return metrics
@@ -283,30 +507,31 @@ def _plain_step(
     optimizer: CombinedOptimizer,
     batches: Iterator[Batch],
     device: torch.device,
-) -> Callable[[], tuple[float, int]]:
+) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
     """One step of the plain loop (no look-ahead): each batch's rows are read from the tiers
-    when its forward needs them. Returns ``(loss, samples)``; raises StopIteration at the end
-    of the data."""
+    when its forward needs them. Returns ``(loss, logits, labels)``; raises StopIteration at
+    the end of the data."""
 
-    def step() -> tuple[float, int]:
+    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
         batch = next(batches).to(device, non_blocking=True)
         optimizer.zero_grad()
-        loss, _ = model(batch)
+        loss, (_, logits, labels) = model(batch)
         loss.backward()
         optimizer.step()
-        return float(loss.detach()), int(batch.labels.numel())
+        return float(loss.detach()), logits, labels
 
     return step
 
 
 def _pipelined_step(
     pipeline: LookaheadTrainPipeline[Batch, Any], batches: Iterator[Batch]
-) -> Callable[[], tuple[float, int]]:
-    """One step of the look-ahead pipeline: the same ``(loss, samples)`` as the plain step."""
+) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
+    """One step of the look-ahead pipeline: the same ``(loss, logits, labels)`` as the plain
+    step."""
 
-    def step() -> tuple[float, int]:
-        loss, _, labels = pipeline.progress(batches)
-        return float(loss), int(labels.numel())
+    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
+        loss, logits, labels = pipeline.progress(batches)
+        return float(loss), logits, labels
 
     return step
 

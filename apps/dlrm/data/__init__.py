@@ -1,8 +1,9 @@
 """Data sources of the DLRM app: synthetic, raw Criteo TSV and Criteo .npy, all yielding
 ``torchrec.datasets.utils.Batch`` (dense ``[B, D]`` float32, a KJT of ids, labels ``[B]`` float32).
 
-:func:`build_dataloader` picks the source from a config's ``kind``; :func:`register_configs`
-puts the three config schemas into Hydra's ConfigStore group ``data``.
+:func:`build_dataloader` picks the source from a config's ``kind`` and the rows from a
+:class:`Split` (training or held-out); :func:`register_configs` puts the three config schemas
+into Hydra's ConfigStore group ``data``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from apps.dlrm.data.config import (
     CriteoNpyDataConfig,
     CriteoTsvDataConfig,
     DataConfig,
+    Split,
     SyntheticDataConfig,
 )
 from apps.dlrm.data.criteo_npy import CriteoNpyDataset
@@ -36,6 +38,7 @@ __all__ = [
     "FeistelPermutation",
     "MalformedRowError",
     "OnError",
+    "Split",
     "SyntheticCriteoDataset",
     "SyntheticDataConfig",
     "ZipfRankSampler",
@@ -100,6 +103,7 @@ def build_dataloader(
     world_size: int = 1,
     *,
     start_batch: int = 0,
+    split: Split | str = Split.TRAIN,
 ) -> Iterable[Batch]:
     """Builds this rank's stream of batches for the source named by ``cfg_like.kind``.
 
@@ -112,6 +116,7 @@ def build_dataloader(
         rank: this process's rank.
         world_size: number of ranks.
         start_batch: first batch to yield, to resume a run part-way.
+        split: the training rows or the held-out rows; the two never overlap.
 
     Raises:
         ValueError: for an unknown ``kind`` (listing the allowed ones) or invalid values.
@@ -119,10 +124,10 @@ def build_dataloader(
     """
     cfg = to_data_config(cfg_like)
     if isinstance(cfg, SyntheticDataConfig):
-        return SyntheticCriteoDataset(cfg, rank, world_size, start_batch)
+        return SyntheticCriteoDataset(cfg, rank, world_size, start_batch, split)
     if isinstance(cfg, CriteoTsvDataConfig):
-        return CriteoTsvDataset(cfg, rank, world_size, start_batch)
-    return CriteoNpyDataset(cfg, rank, world_size, start_batch)
+        return CriteoTsvDataset(cfg, rank, world_size, start_batch, split)
+    return CriteoNpyDataset(cfg, rank, world_size, start_batch, split)
 
 
 def register_configs(group: str = "data") -> None:

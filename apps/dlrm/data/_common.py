@@ -56,6 +56,21 @@ def check_stream(
         raise ValueError(f"num_batches must be >= 0 or None, got {num_batches}")
 
 
+def check_fraction(value: float, name: str = "eval_fraction") -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}={value} must lie in [0, 1): the share of rows held out")
+
+
+def check_disjoint(train: Sequence[str], held_out: Sequence[str], option: str) -> None:
+    """Evaluation must never read rows trained on: no file may be in both splits."""
+    shared = sorted(set(train) & set(held_out))
+    if shared:
+        raise ValueError(
+            f"{option} names {shared}, which the training split reads too: a file would be "
+            "both trained and evaluated on; list each under one split"
+        )
+
+
 def check_sizes(sizes: Sequence[int], name: str = "num_embeddings_per_feature") -> None:
     bad = [n for n in sizes if n < 1]
     if bad:

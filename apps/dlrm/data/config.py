@@ -5,11 +5,33 @@ marks a frozen dataclass read-only and then refuses command-line overrides of it
 Each carries a ``kind`` discriminator that :func:`apps.dlrm.data.build_dataloader` dispatches on.
 Values are checked when a dataset is built from them, not here, so that a config can be
 composed piecewise.
+
+Every source has two disjoint splits (:class:`Split`): the rows trained on and held-out rows to
+evaluate on. The Criteo sources take the held-out rows from separate files (``eval_paths``,
+``eval_stems``) or, without them, set aside ``eval_fraction`` of the training files' rows; the
+synthetic source draws its held-out batches from a seed stream of their own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Split(str, Enum):
+    """Which rows a source yields: those to train on, or the held-out rows to evaluate on."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+
+    @classmethod
+    def parse(cls, value: str | Split) -> Split:
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"split={value!r} is not one of {allowed}") from None
+
 
 # Rows per categorical feature of the Criteo Kaggle (Display Advertising Challenge) data set, in
 # feature order cat_0 .. cat_25, as TorchRec's DLRM example uses them.
@@ -57,7 +79,9 @@ class SyntheticDataConfig:
     Attributes:
         kind: discriminator, always ``"synthetic"``.
         batch_size: samples per batch (per rank).
-        num_batches: batches per rank in one pass; the dataset's length.
+        num_batches: batches per rank in one pass (an epoch); the dataset's length. The
+            held-out split has as many, drawn from their own seed stream, so they are never
+            trained on.
         seed: fixes ids, labels, the row permutations and the hidden label model.
         num_dense_features: dense features per sample (Criteo: 13).
         num_sparse_features: sparse features (tables) per sample (Criteo: 26).
@@ -101,7 +125,14 @@ class CriteoTsvDataConfig:
             categorical values are taken modulo these.
         on_error: ``"skip"`` counts and logs malformed rows, ``"fail"`` raises on the first.
         drop_last: drop the last, incomplete batch of a rank.
-        num_batches: stop a rank after this many batches (``None`` = read everything).
+        num_batches: stop a rank's training split after this many batches (``None`` = read
+            everything).
+        eval_paths: files or globs of the held-out split (e.g. the last day, as TorchRec's
+            Criteo utilities hold it out); none of them may also be a training file.
+        eval_fraction: without ``eval_paths``, the share of the training files' lines held
+            out: every line ``j`` (counted across files) where ``floor((j + 1) * f)`` steps
+            up, i.e. one line in ``1 / f`` spread evenly. Interleaved rather than the last
+            lines because a text file's line count is unknown without a full pass.
     """
 
     kind: str = "criteo_tsv"
@@ -112,6 +143,8 @@ class CriteoTsvDataConfig:
     on_error: str = "skip"
     drop_last: bool = False
     num_batches: int | None = None
+    eval_paths: list[str] = field(default_factory=list)
+    eval_fraction: float = 0.0
 
 
 @dataclass
@@ -131,7 +164,13 @@ class CriteoNpyDataConfig:
         num_embeddings_per_feature: rows of each table (one entry = all); ids are taken
             modulo these.
         drop_last: drop the last, incomplete batch of a rank.
-        num_batches: stop a rank after this many batches (``None`` = read everything).
+        num_batches: stop a rank's training split after this many batches (``None`` = read
+            everything).
+        eval_stems: file stems of the held-out split (e.g. ``["day_23"]``, the day TorchRec's
+            Criteo utilities hold out); none of them may also be in ``stems``.
+        eval_fraction: without ``eval_stems``, the share of the rows of ``stems`` held out:
+            the last ``floor(N * f)`` of the ``N`` rows, so evaluation follows training in
+            time as with a held-out last day.
     """
 
     kind: str = "criteo_npy"
@@ -142,6 +181,8 @@ class CriteoNpyDataConfig:
     num_embeddings_per_feature: list[int] = field(default_factory=_kaggle_sizes)
     drop_last: bool = False
     num_batches: int | None = None
+    eval_stems: list[str] = field(default_factory=list)
+    eval_fraction: float = 0.0
 
 
 DataConfig = SyntheticDataConfig | CriteoTsvDataConfig | CriteoNpyDataConfig

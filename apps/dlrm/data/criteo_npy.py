@@ -9,8 +9,12 @@ numpy's global RNG in its constructor, loads every file whole on every rank unle
 given batch. This reader memory-maps the files and reuses TorchRec's
 ``BinaryCriteoUtils.get_file_row_ranges_and_remainder`` to give each rank one contiguous row
 range, so a rank touches only its own pages and reads them sequentially. Every rank gets the
-same number of rows (the last ``total % world_size`` rows are dropped), hence the same number
-of batches, which keeps collective calls in step.
+same number of rows (the last ``total % world_size`` rows of a split are dropped), hence the
+same number of batches, which keeps collective calls in step.
+
+The held-out split is the files of ``eval_stems`` or, without them, the last ``eval_fraction``
+of the rows of ``stems`` (evaluation follows training in time, as with TorchRec's held-out
+last day); the training split is everything before.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torchrec.datasets.criteo import BinaryCriteoUtils
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.data._common import (
+    check_disjoint,
+    check_fraction,
     check_sizes,
     check_stream,
     feature_names,
@@ -33,7 +39,7 @@ from apps.dlrm.data._common import (
     per_table,
     worker_shard,
 )
-from apps.dlrm.data.config import CriteoNpyDataConfig
+from apps.dlrm.data.config import CriteoNpyDataConfig, Split
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +59,10 @@ class CriteoNpyDataset(IterableDataset[Batch]):
         rank: this process's rank.
         world_size: number of ranks.
         start_batch: first batch index to yield (to resume a run).
+        split: the training rows or the held-out ones.
 
     Attributes:
-        num_rows: rows assigned to this rank.
+        num_rows: rows of this split assigned to this rank.
 
     Raises:
         FileNotFoundError: naming a missing file.
@@ -74,22 +81,28 @@ class CriteoNpyDataset(IterableDataset[Batch]):
         rank: int = 0,
         world_size: int = 1,
         start_batch: int = 0,
+        split: Split | str = Split.TRAIN,
     ) -> None:
         super().__init__()
         check_stream(rank, world_size, config.batch_size, start_batch, config.num_batches)
+        check_fraction(config.eval_fraction)
         if not config.data_dir:
             raise ValueError("data_dir must name the directory of the Criteo .npy files")
         if not config.stems:
             raise ValueError("stems must list at least one file stem, e.g. ['day_0']")
+        check_disjoint(list(config.stems), list(config.eval_stems), "eval_stems")
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.start_batch = start_batch
+        self.split = Split.parse(split)
+        evaluating = self.split is Split.EVAL
+        stems = config.eval_stems if evaluating and config.eval_stems else config.stems
 
         self._dense: list[npt.NDArray[np.generic]] = []
         self._sparse: list[npt.NDArray[np.generic]] = []
         self._labels: list[npt.NDArray[np.generic]] = []
-        for stem in config.stems:
+        for stem in stems:
             prefix = os.path.join(config.data_dir, stem)
             dense = _load(prefix + "_dense.npy")
             sparse = _load(prefix + config.sparse_suffix)
@@ -109,7 +122,7 @@ class CriteoNpyDataset(IterableDataset[Batch]):
                 dense.shape[1] != self._dense[0].shape[1]
                 or sparse.shape[1] != self._sparse[0].shape[1]
             ):
-                raise ValueError(f"{prefix}: feature counts differ from {config.stems[0]}")
+                raise ValueError(f"{prefix}: feature counts differ from {stems[0]}")
             self._dense.append(dense)
             self._sparse.append(sparse)
             self._labels.append(labels.reshape(rows))
@@ -123,21 +136,37 @@ class CriteoNpyDataset(IterableDataset[Batch]):
         self._sizes = np.asarray(sizes, dtype=np.int64)
 
         lengths = [int(d.shape[0]) for d in self._dense]
-        self.num_rows = sum(lengths) // world_size
+        total = sum(lengths)
+        # Global rows [first, end) of this split: with eval_stems, all rows of its own files;
+        # else the held-out tail of the training files, or what precedes it.
+        held = int(total * config.eval_fraction)
+        if config.eval_stems:
+            first, end = 0, total
+        else:
+            first, end = (total - held, total) if evaluating else (0, total - held)
+        self.num_rows = (end - first) // world_size
         # (file index, first row, end row) of this rank's contiguous share, in order.
         self._segments: list[tuple[int, int, int]] = []
         if self.num_rows > 0:
             ranges, _ = BinaryCriteoUtils.get_file_row_ranges_and_remainder(
-                lengths, rank, world_size, start_row=0, last_row=self.num_rows * world_size - 1
+                lengths,
+                rank,
+                world_size,
+                start_row=first,
+                last_row=first + self.num_rows * world_size - 1,
             )
             self._segments = [(i, lo, hi + 1) for i, (lo, hi) in sorted(ranges.items())]
-        else:
+        elif end > first or not evaluating:
             logger.warning(
-                "rank %d gets no rows: %d rows for %d ranks", rank, sum(lengths), world_size
+                "rank %d gets no %s rows: %d rows for %d ranks",
+                rank,
+                self.split.value,
+                end - first,
+                world_size,
             )
         full, rest = divmod(self.num_rows, config.batch_size)
         self.num_batches = full + (1 if rest and not config.drop_last else 0)
-        if config.num_batches is not None:
+        if config.num_batches is not None and not evaluating:
             self.num_batches = min(self.num_batches, config.num_batches)
 
     def __len__(self) -> int:

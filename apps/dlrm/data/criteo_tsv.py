@@ -8,11 +8,13 @@ hexadecimal hashes, any feature possibly empty. Conversion, as is customary for 
   32-bit hashes, so the modulo is the hashing trick. An empty field is value 0, hence row 0
   of its table (a fixed "missing" bucket that it shares with real values that hash there).
 
-Lines are sharded round-robin over ranks (global line ``j``, counted across files in order,
-belongs to rank ``j % world_size``): every rank scans every file but parses only its own
-lines, so the shards are disjoint and need no index of the files. A malformed line is
-reported with its file and 1-based line number; ``on_error`` chooses whether it is skipped
-and counted or raised.
+Held-out rows come from ``eval_paths``, or else every line ``j`` (counted across the training
+files in order) at which ``floor((j + 1) * eval_fraction)`` steps up; the training split is
+the complement, so the two never share a line. Within a split, lines are sharded round-robin
+over ranks (the split's ``k``-th line belongs to rank ``k % world_size``): every rank scans
+every file but parses only its own lines, so the shards are disjoint and need no index of the
+files. A malformed line is reported with its file and 1-based line number; ``on_error``
+chooses whether it is skipped and counted or raised.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.data._common import (
+    check_disjoint,
+    check_fraction,
     check_sizes,
     check_stream,
     feature_names,
@@ -39,7 +43,7 @@ from apps.dlrm.data._common import (
     per_table,
     worker_shard,
 )
-from apps.dlrm.data.config import CriteoTsvDataConfig
+from apps.dlrm.data.config import CriteoTsvDataConfig, Split
 
 logger = logging.getLogger(__name__)
 
@@ -143,21 +147,22 @@ class CriteoTsvDataset(IterableDataset[Batch]):
     """Batches of this rank's rows of raw Criteo TSV files.
 
     Args:
-        config: files, batch size, table sizes, error policy and limits.
+        config: files, batch size, table sizes, error policy, held-out split and limits.
         rank: this process's rank.
         world_size: number of ranks.
         start_batch: number of leading batches to skip (to resume a run); they are parsed
             (malformed rows move batch boundaries) but not converted.
+        split: the training rows or the held-out ones.
 
     Attributes:
-        paths: the files read, globs expanded.
+        paths: the files this split reads, globs expanded.
         num_skipped: malformed rows skipped in the current or last pass (``on_error="skip"``).
         skipped_examples: the first few of those, as ``"file:line: reason"``.
 
     Note:
         Ranks' batch counts can differ by one (their line counts differ by at most one, and
         skipped rows shift that); a distributed loop should stop when any rank runs out, or
-        set ``num_batches``.
+        set ``num_batches``. The dataset has no length: counting lines takes a full pass.
 
     Example::
 
@@ -174,13 +179,16 @@ class CriteoTsvDataset(IterableDataset[Batch]):
         rank: int = 0,
         world_size: int = 1,
         start_batch: int = 0,
+        split: Split | str = Split.TRAIN,
     ) -> None:
         super().__init__()
         check_stream(rank, world_size, config.batch_size, start_batch, config.num_batches)
+        check_fraction(config.eval_fraction)
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.start_batch = start_batch
+        self.split = Split.parse(split)
         self.on_error = OnError.parse(config.on_error)
         self.keys = feature_names(CAT_FEATURE_COUNT)
         sizes = per_table(
@@ -188,7 +196,16 @@ class CriteoTsvDataset(IterableDataset[Batch]):
         )
         check_sizes(sizes)
         self._sizes = [int(n) for n in sizes]
-        self.paths = expand_paths(([config.path] if config.path else []) + list(config.paths))
+        train = expand_paths(([config.path] if config.path else []) + list(config.paths))
+        held_out = expand_paths(list(config.eval_paths)) if config.eval_paths else []
+        check_disjoint(
+            [os.path.realpath(p) for p in train],
+            [os.path.realpath(p) for p in held_out],
+            "eval_paths",
+        )
+        self.paths = held_out if held_out and self.split is Split.EVAL else train
+        # Without eval files, the held-out lines are interleaved with the training lines.
+        self._fraction = 0.0 if held_out else float(config.eval_fraction)
         self.num_skipped = 0
         self.skipped_examples: list[str] = []
 
@@ -213,17 +230,29 @@ class CriteoTsvDataset(IterableDataset[Batch]):
 
     def _batches(self) -> Iterator[Batch]:
         cfg = self.config
-        limit = cfg.num_batches
+        evaluating = self.split is Split.EVAL
+        if evaluating and not cfg.eval_paths and self._fraction == 0.0:
+            return  # nothing is held out: no need to scan the files
+        limit = None if evaluating else cfg.num_batches
+        fraction = self._fraction
         labels: list[int] = []
         dense: list[list[int]] = []
         sparse: list[list[int]] = []
         batches_done = 0
-        line_index = 0
+        line_index = 0  # over all lines of self.paths
+        split_index = 0  # over this split's lines
+        held_below = 0  # floor(line_index * fraction)
         for path in self.paths:
             with _open(path) as lines:
                 for line_number, line in enumerate(lines, start=1):
-                    owned = line_index % self.world_size == self.rank
-                    line_index += 1
+                    if fraction:
+                        line_index += 1
+                        held_upto = int(line_index * fraction)
+                        held, held_below = held_upto > held_below, held_upto
+                        if held is not evaluating:
+                            continue
+                    owned = split_index % self.world_size == self.rank
+                    split_index += 1
                     if not owned:
                         continue
                     if limit is not None and batches_done >= limit:

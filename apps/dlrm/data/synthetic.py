@@ -14,8 +14,9 @@ production table sizes (tens of millions of rows) in small, constant memory:
 * each row's hidden label weight is a hash of (seed, table, id), again O(1) memory.
 
 Batch ``i`` of rank ``r`` in a world of ``W`` is global batch ``i * W + r`` and depends only on
-(seed, that number): ranks see disjoint draws, their union equals the single-process stream,
-and a resumed run can start at any batch without replaying the earlier ones.
+(seed, split, that number): ranks see disjoint draws, their union equals the single-process
+stream, and a resumed run can start at any batch without replaying the earlier ones. The
+held-out split draws from a seed stream of its own, so it never repeats a training batch.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from apps.dlrm.data._common import (
     per_table,
     worker_shard,
 )
-from apps.dlrm.data.config import SyntheticDataConfig
+from apps.dlrm.data.config import Split, SyntheticDataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ _TAG_PERMUTATION = 1
 _TAG_ROW_WEIGHT = 2
 _TAG_DENSE_MODEL = 3
 _TAG_BATCH = 4
+_TAG_EVAL_BATCH = 5
 
 _U64 = np.uint64
 
@@ -187,6 +189,7 @@ class SyntheticCriteoDataset(IterableDataset[Batch]):
         rank: this process's rank.
         world_size: number of ranks.
         start_batch: first batch index to yield (to resume a run).
+        split: the training batches or the held-out ones (as many, never the same draws).
 
     Example::
 
@@ -200,8 +203,11 @@ class SyntheticCriteoDataset(IterableDataset[Batch]):
         rank: int = 0,
         world_size: int = 1,
         start_batch: int = 0,
+        split: Split | str = Split.TRAIN,
     ) -> None:
         super().__init__()
+        self.split = Split.parse(split)
+        self._batch_tag = _TAG_BATCH if self.split is Split.TRAIN else _TAG_EVAL_BATCH
         check_rank(rank, world_size)
         check_positive(config.batch_size, "batch_size")
         check_positive(config.num_sparse_features, "num_sparse_features")
@@ -257,7 +263,8 @@ class SyntheticCriteoDataset(IterableDataset[Batch]):
             yield self.batch_at(index)
 
     def batch_at(self, index: int) -> Batch:
-        """Batch ``index`` of this rank: a pure function of (seed, index, rank, world_size)."""
+        """Batch ``index`` of this rank: a pure function of (seed, split, index, rank,
+        world_size)."""
         return self._generate(index)[0]
 
     def oracle_logits(self, index: int) -> torch.Tensor:
@@ -284,7 +291,7 @@ class SyntheticCriteoDataset(IterableDataset[Batch]):
         cfg = self.config
         batch_size = cfg.batch_size
         global_index = index * self.world_size + self.rank
-        rng = np.random.default_rng([cfg.seed, _TAG_BATCH, global_index])
+        rng = np.random.default_rng([cfg.seed, self._batch_tag, global_index])
 
         latent = rng.standard_normal((batch_size, cfg.num_dense_features))
         dense = np.log1p(np.exp(self._dense_mu + self._dense_sigma * latent)).astype(np.float32)

@@ -48,3 +48,27 @@ def test_disabled_ranks_write_nothing() -> None:
 def test_the_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="progress_every_s"):
         Progress(total=1, initial=0, enabled=True, every_s=0)
+
+
+def test_an_unknown_total_shows_the_count_alone() -> None:
+    # Epochs over a text file: the number of steps is known only at the end.
+    stream = io.StringIO()
+    progress = Progress(total=None, initial=3, enabled=True, every_s=1e-9, stream=stream)
+    progress.update({"loss": "0.5000"})
+    progress.show({"loss": "0.2500"})
+    progress.update()
+    progress.close()
+    assert stream.getvalue().splitlines()[0].startswith("step 4 ")
+    assert stream.getvalue().splitlines()[-1].split()[:2] == ["step", "5"]
+    assert "loss=0.2500" in stream.getvalue().splitlines()[-1]
+    assert "%" not in stream.getvalue()
+
+
+def test_a_terminal_bar_takes_an_unknown_total() -> None:
+    terminal = _Terminal()
+    progress = Progress(total=None, initial=0, enabled=True, every_s=1.0, stream=terminal)
+    for _ in range(3):
+        progress.update()
+    progress.show({"loss": "0.1000"})
+    progress.close()
+    assert "3batch" in terminal.getvalue().replace(" ", "") and "loss=0.1000" in terminal.getvalue()

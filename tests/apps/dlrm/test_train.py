@@ -348,7 +348,7 @@ def test_tiered_planner_places_large_tables_on_both_scm_tiers(tmp_path: Path) ->
 
 
 def test_tiered_planner_uses_a_profile_and_pins_its_hot_rows(tmp_path: Path) -> None:
-    from torchrec_mtrains.profile import main as profile_main
+    from apps.dlrm.profile import main as profile_main
 
     prefix = tmp_path / "profile"
     overrides = [o for o in TINY if not o.startswith(("planner", "run."))]

@@ -1,0 +1,102 @@
+"""The app's command-line tools over its configs (what-if planning, profiling): they run and
+write what they promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apps.dlrm import profile as profile_cli
+from apps.dlrm import whatif as plan_cli
+from torchrec_mtrains.profiler import AccessProfile
+
+
+def test_whatif_cli_runs_on_the_shipped_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code = plan_cli.main(
+        [
+            "--model",
+            "whatif_multi_tb",
+            "--hardware",
+            "gpu_pmem_nvme",
+            "--batch-size",
+            "4096",
+            "--target-throughput",
+            "1000000",
+            "planner.cache_steps=32",
+            "planner.balance_rounds=2",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "t_cat_0" in out and "assumed zipf" in out and "predicted step time" in out
+    assert "minimum hosts" in out
+    for host_type in ("HBM+DRAM only", "+ byte SCM", "+ block SCM", "+ both SCM"):
+        assert host_type in out
+
+
+def test_whatif_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli.main(["--model", "nope", "--hardware", "local"]) == 2
+    assert "available" in capsys.readouterr().err
+
+
+def test_profile_cli_on_tiny_synthetic_data(tmp_path: Path) -> None:
+    out = tmp_path / "prof"
+    code = profile_cli.main(
+        [
+            "--out",
+            str(out),
+            "model=small",
+            "data=synthetic",
+            "data.num_batches=6",
+            "data.batch_size=64",
+        ]
+    )
+    assert code == 0
+    profile = AccessProfile.from_json(out.with_suffix(".json"))
+    assert len(profile.tables) == 26 and profile.batches_profiled == 6
+    assert profile["t_cat_2"].num_rows == 1_000_000
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _whatif(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str, str]:
+    code = plan_cli.main(["--model", "small", "--hardware", "local", *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_whatif_cli_honours_the_apps_planner_budgets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, unbounded, _ = _whatif(capsys)
+    assert code == 0 and "byte_scm" not in unbounded  # 279 MiB fit the VM's DRAM
+    code, bounded, _ = _whatif(capsys, "planner.dram_budget=64MB")
+    assert code == 0 and "byte_scm" in bounded
+    # The app's default preset: 64 MB of DRAM and 100 MB of byte SCM, so block SCM too.
+    code, bounded, _ = _whatif(capsys, "planner=tiered_capacity_bound")
+    assert code == 0 and "byte_scm" in bounded and "block_scm" in bounded
+
+
+def test_whatif_cli_refuses_what_it_cannot_use_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = _whatif(capsys, "planner=size_rule")
+    assert code == 2 and err.startswith("error: planner=size_rule")
+    code, _, err = _whatif(capsys, "hardware.dram.capacity=200MB")
+    assert code == 2 and "dram_reserved" in err and "200MB" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _predicted_step(out: str) -> str:
+    (line,) = [line for line in out.splitlines() if "predicted step time" in line]
+    return line
+
+
+def test_whatif_cli_plans_with_the_datas_pooling_factors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The app plans with ``data.pooling_factors`` when the model names none; so does the CLI."""
+    code, one_id, _ = _whatif(capsys)
+    assert code == 0
+    code, twenty_ids, _ = _whatif(capsys, "data.pooling_factors=[20]")
+    assert code == 0
+    assert _predicted_step(one_id) != _predicted_step(twenty_ids)

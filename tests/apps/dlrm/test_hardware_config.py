@@ -1,0 +1,38 @@
+"""The app's hardware node: presets shipped in the library, and where each run's tier files go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from apps.dlrm.config import CONF_DIR
+from apps.dlrm.model import tier_mounts, tier_root
+from torchrec_mtrains.planner import available_presets, topology_from_config
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_every_library_preset_composes_and_keeps_tiers_in_the_run(preset: str) -> None:
+    cfg = _compose(f"hardware={preset}", "run.dir=/data/runs/r1")
+    assert cfg.hardware.name == preset
+    assert topology_from_config(cfg.hardware).name == preset
+    assert tier_root(cfg) == Path("/data/runs/r1/tiers")  # never shared between runs
+    assert tier_mounts(cfg) == {}
+
+
+def test_tier_root_and_the_documented_dirs_override_form() -> None:
+    cfg = _compose(
+        "hardware.tier_root=/mnt/fast/tiers",
+        "hardware.dirs={block_scm:/mnt/nvme0/run}",
+    )
+    assert tier_root(cfg) == Path("/mnt/fast/tiers")
+    assert tier_mounts(cfg) == {"block_scm": "/mnt/nvme0/run"}
+    cfg = _compose("hardware.dirs.byte_scm=/mnt/pmem0/run")
+    assert tier_mounts(cfg) == {"byte_scm": "/mnt/pmem0/run"}
