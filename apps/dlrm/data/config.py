@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 
 class Split(str, Enum):
@@ -26,11 +27,19 @@ class Split(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Split) -> Split:
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"split={value!r} is not one of {allowed}") from None
+        return parse_choice(cls, value, "split")
+
+
+_E = TypeVar("_E", bound=Enum)
+
+
+def parse_choice(kind: type[_E], value: str | _E, option: str) -> _E:
+    """``value`` as a member of ``kind``; ``ValueError`` naming ``option`` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{option}={value!r} is not one of {allowed}") from None
 
 
 # Rows per categorical feature of the Criteo Kaggle (Display Advertising Challenge) data set, in

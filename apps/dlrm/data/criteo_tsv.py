@@ -43,7 +43,7 @@ from apps.dlrm.data._common import (
     per_table,
     worker_shard,
 )
-from apps.dlrm.data.config import CriteoTsvDataConfig, Split
+from apps.dlrm.data.config import CriteoTsvDataConfig, Split, parse_choice
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ class OnError(str, Enum):
 
     @classmethod
     def parse(cls, value: str | OnError) -> OnError:
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"on_error={value!r} is not one of {allowed}") from None
+        return parse_choice(cls, value, "on_error")
 
 
 class MalformedRowError(ValueError):

@@ -8,13 +8,13 @@ import json
 import logging
 import math
 import random
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
+from dlrm_helpers import TINY_TABLES, app_config
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -24,27 +24,11 @@ from apps.dlrm.train import ConfigError, main
 
 REPO = Path(__file__).resolve().parents[3]
 CONF = REPO / "conf"
-SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
-TINY = [
-    f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
-    "planner=size_rule",
-    "planner.dram_budget=200KB",
-    "planner.block_scm_min_bytes=200KB",
-    "planner.cache_load_factor=0.25",
-    "run.progress=false",
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_hydra() -> Iterator[None]:
-    GlobalHydra.instance().clear()
-    yield
-    GlobalHydra.instance().clear()
+TINY = [*TINY_TABLES]
 
 
 def config(run_dir: Path, *overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*TINY, f"run.dir={run_dir}", *overrides])
+    return app_config(run_dir, *TINY[len(TINY_TABLES) :], *overrides)
 
 
 def write_tsv(path: Path, rows: int, seed: int = 0) -> Path:

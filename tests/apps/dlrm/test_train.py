@@ -11,12 +11,12 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dlrm_helpers import SIZES, TIERED_TABLES, TINY_TABLES, app_config
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -36,32 +36,11 @@ from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 REPO = Path(__file__).resolve().parents[3]
 CONF = REPO / "conf"
 
-# 26 tables: 20 of 100 rows (6.8 KB each with row-wise optimizer state) fit the 200 KB DRAM
-# budget; the 2,000-row tables (136 KB) go to byte SCM, the 4,000-row ones (272 KB) to block SCM.
-SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
-TIERED_TABLES = 6
-TINY = [
-    f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
-    "planner=size_rule",
-    "planner.dram_budget=200KB",
-    "planner.block_scm_min_bytes=200KB",
-    "planner.cache_load_factor=0.25",
-    "data.batch_size=64",
-    "run.eval_batches=4",
-    "run.progress=false",
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_hydra() -> Iterator[None]:
-    GlobalHydra.instance().clear()
-    yield
-    GlobalHydra.instance().clear()
+TINY = [*TINY_TABLES, "data.batch_size=64", "run.eval_batches=4"]
 
 
 def config(run_dir: Path, *overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*TINY, f"run.dir={run_dir}", *overrides])
+    return app_config(run_dir, *TINY[len(TINY_TABLES) :], *overrides)
 
 
 def read_metrics(run_dir: Path) -> dict[str, object]:

@@ -1,0 +1,34 @@
+"""A tiny DLRM for the app's tests, and composing the app's config around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from apps.dlrm.config import CONF_DIR
+
+# 26 tables: 20 of 100 rows (6.8 KB each with row-wise optimizer state) fit the 200 KB DRAM
+# budget; the 2,000-row tables (136 KB) go to byte SCM, the 4,000-row ones (272 KB) to block SCM.
+SIZES = [4000, 2000] + [100] * 20 + [4000, 2000, 4000, 2000]
+TIERED_TABLES = 6
+TINY_TABLES = [
+    f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
+    "planner=size_rule",
+    "planner.dram_budget=200KB",
+    "planner.block_scm_min_bytes=200KB",
+    "planner.cache_load_factor=0.25",
+    "run.progress=false",
+]
+
+
+def compose_app(*overrides: str) -> DictConfig:
+    """The app's config (``conf/config.yaml``) with ``overrides``."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def app_config(run_dir: Path, *overrides: str) -> DictConfig:
+    """The tiny model's config writing to ``run_dir``."""
+    return compose_app(*TINY_TABLES, f"run.dir={run_dir}", *overrides)
