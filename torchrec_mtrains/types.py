@@ -8,9 +8,24 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def parse_choice(kind: type[_E], value: str | _E, what: str) -> _E:
+    """``value`` as a member of the enum ``kind``; ``ValueError`` naming ``what`` and the
+    allowed values otherwise."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in kind)
+        raise ValueError(f"unknown {what} {value!r}; expected one of: {allowed}") from None
 
 
 class Tier(str, enum.Enum):
@@ -24,13 +39,7 @@ class Tier(str, enum.Enum):
     @classmethod
     def parse(cls, value: str | Tier) -> Tier:
         """Returns the tier named ``value``; raises ``ValueError`` listing the valid names."""
-        if isinstance(value, Tier):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(t.value for t in cls)
-            raise ValueError(f"unknown tier {value!r}; expected one of: {allowed}") from None
+        return parse_choice(cls, value, "tier")
 
 
 class StorageDType(str, enum.Enum):

@@ -2,17 +2,23 @@
 
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
+    BoundsCheck,
     TieredParameterSharding,
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.sharded import OutOfRangeIdError
 from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,
 )
+from torchrec_mtrains.distributed.tiered_tables import TableIdError
 
 __all__ = [
     "TIERED_KERNEL",
+    "BoundsCheck",
+    "OutOfRangeIdError",
+    "TableIdError",
     "TierStorage",
     "TieredEmbeddingBagCollectionSharder",
     "TieredEmbeddingCollectionSharder",

@@ -11,23 +11,29 @@ property of the host, not of a table: :class:`TierStorage`, given to the sharder
 options are the tiers' typed :class:`~torchrec_mtrains.tiers.TierOptions`, built from the
 planner's host topology by :func:`torchrec_mtrains.planner.topology.store_options` so that the
 stores run with what the perf model assumed.
+
+What a batch holding an id outside its table does is one rule for every table a sharder builds,
+:class:`BoundsCheck`; its fbgemm counterpart travels to TorchRec's kernels as the fused
+parameter ``bounds_check_mode``.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding
 
 from torchrec_mtrains.cache.policies import POLICIES
 from torchrec_mtrains.tiers import OpenMode, RowStoreError, TierOptions, resolve_options
 from torchrec_mtrains.tiers.base import check_directory
-from torchrec_mtrains.types import Tier
+from torchrec_mtrains.types import Tier, parse_choice
 
 TIERED_KERNEL: str = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 """The compute-kernel name tiered tables carry in a sharding plan."""
@@ -37,8 +43,39 @@ CACHE_LOAD_FACTOR_KEY = "mtrains_cache_load_factor"
 CACHE_POLICY_KEY = "mtrains_cache_policy"
 _ALL_KEYS = (TIER_KEY, CACHE_LOAD_FACTOR_KEY, CACHE_POLICY_KEY)
 
+BOUNDS_CHECK_MODE_KEY = "bounds_check_mode"
+"""The fused parameter (and ``ParameterSharding`` field) fbgemm's kernels take their mode from."""
+
 STORAGE_TIERS: tuple[Tier, ...] = (Tier.DRAM, Tier.BYTE_SCM, Tier.BLOCK_SCM)
 """Tiers a tiered table's rows can live on (HBM/DRAM hold its cache)."""
+
+
+class BoundsCheck(str, enum.Enum):
+    """What a batch holding a row id outside its table does, for every table of a sharded
+    module (TorchRec's kernels and tiered ones alike). The ids are checked as the batch enters
+    the module, before the input distribution, where they are still global.
+
+    * ``ERROR``: the batch is refused before any lookup with :class:`~torchrec_mtrains.
+      distributed.sharded.OutOfRangeIdError`, naming the table, the feature, the id and the
+      valid range; nothing is read, trained or written. fbgemm runs in its ``FATAL`` mode
+      behind it.
+    * ``WARN``: TorchRec's default (fbgemm's ``WARNING`` mode): a warning is logged and each
+      out-of-range id is replaced by row 0 of its table, which the batch then trains.
+    """
+
+    ERROR = "error"
+    WARN = "warn"
+
+    @classmethod
+    def parse(cls, value: str | BoundsCheck) -> BoundsCheck:
+        """The mode named ``value``; raises ``ValueError`` naming the allowed ones."""
+        return parse_choice(cls, value, "bounds check")
+
+    @property
+    def fbgemm_mode(self) -> BoundsCheckMode:
+        """fbgemm's mode for TorchRec's kernels (a backstop: the module's own check runs first
+        and hands them only ids in range)."""
+        return BoundsCheckMode.FATAL if self is BoundsCheck.ERROR else BoundsCheckMode.WARNING
 
 
 @dataclass(frozen=True)

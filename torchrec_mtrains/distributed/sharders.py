@@ -2,7 +2,10 @@
 
 Tables planned with :data:`TIERED_KERNEL` and a :class:`TieredParameterSharding` live on their
 tier behind a cache; every other table gets TorchRec's own kernel (FUSED in DRAM or HBM,
-FUSED_UVM_CACHING on CUDA) exactly as with the stock sharders.
+FUSED_UVM_CACHING on CUDA) exactly as with the stock sharders, except for one thing: a batch
+holding an id outside its table is refused with an error naming the table, the feature and the id
+(:class:`BoundsCheck` ``ERROR``, the default) for every table, where TorchRec's kernels would warn
+and train row 0 instead (``WARN``, on request, for every table too).
 """
 
 from __future__ import annotations
@@ -18,14 +21,24 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_mtrains.distributed.options import (
+    BOUNDS_CHECK_MODE_KEY,
     TIERED_KERNEL,
+    BoundsCheck,
     TieredParameterSharding,
     TierStorage,
 )
 from torchrec_mtrains.distributed.sharded import (
+    OutOfRangeIdError,
     TieredShardedEmbeddingBagCollection,
     TieredShardedEmbeddingCollection,
 )
+
+__all__ = [
+    "BoundsCheck",
+    "OutOfRangeIdError",
+    "TieredEmbeddingBagCollectionSharder",
+    "TieredEmbeddingCollectionSharder",
+]
 
 _TIERED_SHARDING_TYPES = (
     ShardingType.TABLE_WISE.value,
@@ -35,13 +48,41 @@ _TIERED_SHARDING_TYPES = (
 )
 
 
+def _fused_params_with_bounds_check(
+    fused_params: dict[str, Any] | None, bounds_check: BoundsCheck
+) -> dict[str, Any]:
+    """``fused_params`` with fbgemm's mode for ``bounds_check``; one set there already must
+    be that mode (the sharder's argument is the one place the rule is chosen)."""
+    out = dict(fused_params or {})
+    given = out.get(BOUNDS_CHECK_MODE_KEY)
+    if given is not None and given != bounds_check.fbgemm_mode:
+        raise ValueError(
+            f"fused_params[{BOUNDS_CHECK_MODE_KEY!r}]={given!r} contradicts "
+            f"bounds_check={bounds_check.value!r} (fbgemm {bounds_check.fbgemm_mode.name}): "
+            "choose the rule with the sharder's bounds_check argument (BoundsCheck.ERROR or "
+            "BoundsCheck.WARN) and leave it out of fused_params"
+        )
+    out[BOUNDS_CHECK_MODE_KEY] = bounds_check.fbgemm_mode
+    return out
+
+
 def _check_tiered_plan(
     params: dict[str, ParameterSharding],
     storage: TierStorage,
     env: ShardingEnv,
     hot_rows: Mapping[str, Sequence[int]],
+    bounds_check: BoundsCheck,
 ) -> None:
-    """Fails at sharding time, naming the table or path, for plans the kernel cannot run."""
+    """Fails at sharding time, naming the table or path, for plans the kernel cannot run and
+    for a table whose plan sets another fbgemm bounds check mode than the sharder's rule."""
+    for table, ps in params.items():
+        mode = ps.bounds_check_mode
+        if mode is not None and mode != bounds_check.fbgemm_mode:
+            raise ValueError(
+                f"table {table!r}: the plan sets bounds_check_mode={mode!r}, but the sharder "
+                f"applies bounds_check={bounds_check.value!r} (fbgemm "
+                f"{bounds_check.fbgemm_mode.name}) to every table; leave it unset in the plan"
+            )
     for table in hot_rows:
         if table not in params or params[table].compute_kernel != TIERED_KERNEL:
             raise ValueError(
@@ -74,9 +115,14 @@ class _TieredSharderMixin:
         offer_tiered_kernel: bool = False,
         fused_params: dict[str, Any] | None = None,
         hot_rows: Mapping[str, Sequence[int]] | None = None,
+        bounds_check: BoundsCheck = BoundsCheck.ERROR,
         **kwargs: Any,
     ) -> None:
-        super().__init__(fused_params=fused_params, **kwargs)  # type: ignore[call-arg]
+        self._bounds_check = BoundsCheck.parse(bounds_check)
+        super().__init__(  # type: ignore[call-arg]
+            fused_params=_fused_params_with_bounds_check(fused_params, self._bounds_check),
+            **kwargs,
+        )
         self._storage = storage or TierStorage()
         self._offer_tiered = offer_tiered_kernel
         self._hot_rows = dict(hot_rows or {})
@@ -118,6 +164,10 @@ class _TieredSharderMixin:
         return types
 
     @property
+    def bounds_check(self) -> BoundsCheck:
+        return self._bounds_check
+
+    @property
     def storage(self) -> TierStorage:
         return self._storage
 
@@ -143,7 +193,14 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
             kernel, so with this set it gets an error naming the tiered planner; without it,
             the stock planner plans exactly as with TorchRec's sharder. Hand-written plans work
             either way.
-        fused_params: as for TorchRec's sharder (optimizer, learning rate, ...).
+        fused_params: as for TorchRec's sharder (optimizer, learning rate, ...), without
+            ``bounds_check_mode``: ``bounds_check`` sets it.
+        bounds_check: what a batch holding a row id outside its table does, the same for
+            every table: ``BoundsCheck.ERROR`` (default) refuses it before any lookup with
+            :class:`~torchrec_mtrains.distributed.sharded.OutOfRangeIdError` naming the table,
+            the feature, the id and the valid range; ``BoundsCheck.WARN`` does what TorchRec's
+            kernels do by default (fbgemm's WARNING mode): logs it and looks up row 0 of the
+            table instead. A string (``"error"``, ``"warn"``) is accepted too.
 
     Example::
 
@@ -161,7 +218,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingBagCollection:
-        _check_tiered_plan(params, self._storage, env, self._hot_rows)
+        _check_tiered_plan(params, self._storage, env, self._hot_rows, self._bounds_check)
         return TieredShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -172,6 +229,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
             module_fqn=module_fqn,
             storage=self._storage,
             hot_rows=self._hot_rows,
+            bounds_check=self._bounds_check,
         )
 
 
@@ -187,7 +245,7 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingCollection:
-        _check_tiered_plan(params, self._storage, env, self._hot_rows)
+        _check_tiered_plan(params, self._storage, env, self._hot_rows, self._bounds_check)
         return TieredShardedEmbeddingCollection(
             module,
             params,
@@ -199,4 +257,5 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
             module_fqn=module_fqn,
             storage=self._storage,
             hot_rows=self._hot_rows,
+            bounds_check=self._bounds_check,
         )
