@@ -170,7 +170,7 @@ def test_torchx_runs_the_app_on_two_ranks(tmp_path: Path) -> None:
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["steps"] == 10

@@ -1,23 +1,54 @@
-"""Checkpoints of a run: where they go, which one to resume from, and the tier files a run
-directory holds."""
+"""Checkpoints of a run: where they go, which one to resume from, the plan they were taken
+with, and the tier files a run directory holds.
+
+A run directory is always either resumable or restartable: a run that stopped before its first
+finished checkpoint starts over in place (its tier files and unfinished checkpoints go), a
+damaged latest checkpoint gives way to the previous finished one, and a missing tier file is
+rebuilt from the checkpoint, which holds every row. Checkpoints hold full copies of the rows, so
+their files are private (0600, directories 0700) whatever the umask, as the tier files are.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.keyed import CombinedOptimizer
 
-from apps.dlrm.errors import ConfigError
+from apps.dlrm.errors import CheckpointError, ConfigError, RunDirError
 from apps.dlrm.model import tier_mounts, tier_root
+from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.types import Tier
 
+logger: logging.Logger = logging.getLogger(__name__)
+
 TIER_FILE_GLOB = "*.rows"
+PLAN_FILE = "plan.json"
+DONE_FILE = "DONE"
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+# What a run that stopped early leaves besides tier files and checkpoints; a run starting over
+# in place removes them so its history starts at step 0.
+_RUN_OUTPUTS = ("history.jsonl", "metrics.json", "tensorboard")
+
+_T = TypeVar("_T")
 
 
 class Position(NamedTuple):
@@ -25,6 +56,9 @@ class Position(NamedTuple):
 
     epoch: int
     batch: int
+
+
+# ------------------------------------------------------------------------------ tier files
 
 
 def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
@@ -39,16 +73,140 @@ def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _tier_dir(cfg: DictConfig, tier: str, rank: int) -> Path:
+    """Where ``tier``'s files of ``rank`` go (as ``TierStorage.directory``, creating nothing)."""
+    mounts = tier_mounts(cfg)
+    base = Path(mounts[tier]) if tier in mounts else tier_root(cfg) / tier
+    return base / f"rank{rank}"
+
+
+# ---------------------------------------------------------------------------- private files
+
+
+class _PrivateFileSystem(FileSystem):
+    """dcp's local file system, creating files 0600 and directories 0700 whatever the umask:
+    a checkpoint holds a full copy of every row."""
+
+    @contextlib.contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+        os.fchmod(fd, PRIVATE_FILE)
+        try:
+            with os.fdopen(fd, mode) as stream:
+                yield cast(io.IOBase, stream)
+        except Exception as e:
+            # torch.save turns a failed write into "unexpected pos ..."; the errno survives
+            # only as that error's context, which dcp's gathering of errors drops.
+            if _disk_full(e) and not isinstance(e, OSError):
+                raise OSError(errno.ENOSPC, f"no space left on the device writing {path}") from e
+            raise
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        private_dir(Path(path))
+
+
+def private_dir(path: Path) -> None:
+    """Creates ``path`` (and missing parents) as 0700 and makes an existing one 0700."""
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    path.chmod(PRIVATE_DIR)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` with mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+    os.fchmod(fd, PRIVATE_FILE)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def _writer(path: Path) -> FileSystemWriter:
+    writer = FileSystemWriter(path)
+    writer.fs = _PrivateFileSystem()
+    return writer
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
-def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    done = sorted((run_dir / "checkpoints").glob("step_*/DONE"))
-    if not done:
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.split("_", 1)[1])
+    except (IndexError, ValueError):
         return None
-    path = done[-1].parent
-    return int(path.name.split("_")[1]), path
+
+
+def finished_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The checkpoints with a ``DONE`` marker, newest first, as ``(step, path)``."""
+    found = []
+    for done in (run_dir / "checkpoints").glob(f"step_*/{DONE_FILE}"):
+        step = _step_of(done.parent)
+        if step is not None:
+            found.append((step, done.parent))
+    return sorted(found, reverse=True)
+
+
+def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    found = finished_checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def _unfinished_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in (run_dir / "checkpoints").glob("step_*")
+        if p.is_dir() and not (p / DONE_FILE).exists()
+    )
+
+
+def how_to_continue(run_dir: Path) -> str:
+    """What a rerun of this run directory does, for error messages."""
+    last = last_checkpoint(run_dir)
+    if last is None:
+        return (
+            f"run.dir={run_dir} holds no finished checkpoint: the same command starts over in "
+            "place once the cause is fixed"
+        )
+    return (
+        f"the last finished checkpoint is {last[1]} (step {last[0]}): continue from it with "
+        "run.resume=true once the cause is fixed"
+    )
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps: causes, dcp's per-rank failures) is a full disk."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [error]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(failure[0] for failure in e.failures.values())
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of an error: dcp's per-rank failures by their own message, else the first
+    line of the message."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        return f"rank {rank}: {_first_line(cause)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def save_checkpoint(
@@ -60,54 +218,454 @@ def save_checkpoint(
 ) -> Path:
     """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
     their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete and records the
-    data ``position`` a resumed run continues from (default: ``step`` batches into epoch 0)."""
+    data ``position`` a resumed run continues from (default: ``step`` batches into epoch 0).
+    Files are 0600 and directories 0700 whatever the umask.
+
+    Raises:
+        CheckpointError: naming the checkpoint directory and the cause (a full disk said as
+            such) when the save fails; the unfinished checkpoint is removed.
+    """
     path = checkpoint_dir(run_dir, step)
-    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        private_dir(path.parent)
+        if path.exists():  # an unfinished one from a run that stopped here: never mixed in
+            shutil.rmtree(path)
+    dist.barrier()
+    try:
+        dcp_save(
+            {"model": model.state_dict(), "optim": optimizer.state_dict()},
+            storage_writer=_writer(path),
+        )
+    except (Exception, CheckpointException) as e:
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if _disk_full(e) or _nearly_full(path.parent):
+            cause = (
+                f"the disk holding it ran out of space ({_free(path.parent)} free now); free space "
+                "there or pass run.dir=<a directory on a larger disk>"
+            )
+        else:
+            cause = f"{_first_line(e)}"
+        raise CheckpointError(
+            f"checkpoint {path} could not be written: {cause}. The unfinished checkpoint was "
+            f"removed; {how_to_continue(run_dir)}."
+        ) from None
     dist.barrier()
     if dist.get_rank() == 0:
         epoch, batch = position or Position(0, step)
-        (path / "DONE").write_text(json.dumps({"step": step, "epoch": epoch, "batch": batch}))
+        write_private(path / DONE_FILE, json.dumps({"step": step, "epoch": epoch, "batch": batch}))
     dist.barrier()
     return path
+
+
+def _free(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown"
+
+
+def _nearly_full(directory: Path) -> bool:
+    """torch.save reports a failed write as a position mismatch ("unexpected pos"), losing
+    the errno: a disk with under 1 MiB left is taken as the cause."""
+    try:
+        return shutil.disk_usage(directory).free < 2**20
+    except OSError:
+        return False
 
 
 def checkpoint_position(path: Path) -> Position:
     """The data position a checkpoint was taken at. A ``DONE`` holding only the step (written
     before epochs existed) means that many batches into the first epoch."""
-    done = path / "DONE"
+    done = path / DONE_FILE
     try:
         record = json.loads(done.read_text())
         if isinstance(record, int):
             return Position(0, record)
         return Position(int(record["epoch"]), int(record["batch"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(
+        raise CheckpointError(
             f"{done} does not say where the checkpoint stands ({e!r}): delete that checkpoint "
             "to resume from an earlier one"
         ) from None
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded, found without loading it (its
+    ``DONE`` record, its metadata, every data file present and as long as the metadata says),
+    or None."""
+    try:
+        checkpoint_position(path)
+    except CheckpointError as e:
+        return str(e)
+    metadata = path / ".metadata"
+    try:
+        with metadata.open("rb") as f:
+            storage = pickle.load(f).storage_data
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        return f"{metadata} is unreadable ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{path / name} is missing"
+        if size < end:
+            return f"{path / name} is truncated ({size} of {end} bytes)"
+    return None
+
+
+def _set_aside(path: Path) -> Path:
+    """Renames a damaged checkpoint out of the ``step_*`` namespace (kept for inspection, never
+    resumed from nor overwritten)."""
+    target = path.with_name(f"damaged_{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"damaged{n}_{path.name}")
+    path.rename(target)
+    return target
+
+
+def fall_back(path: Path, problem: str, rank: int) -> None:
+    """Logs that the checkpoint at ``path`` is damaged and, on rank 0, sets it aside."""
+    moved = ""
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            moved = f"; moved to {_set_aside(path)}"
+    logger.warning(
+        "checkpoint %s is damaged (%s): falling back to the previous finished checkpoint%s",
+        path,
+        problem,
+        moved,
+    )
+
+
 def load_checkpoint(
     model: DistributedModelParallel, optimizer: CombinedOptimizer, path: Path
 ) -> None:
+    """Loads ``path`` into the model and optimizer; the tiered tables' rows are written to
+    their tier files (so a tier file created empty is rebuilt in full).
+
+    Raises:
+        CheckpointError: naming the checkpoint and the cause.
+    """
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp_load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {_first_line(e)}") from e
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
 
 
-def resume_point(cfg: DictConfig, run_dir: Path, rank: int) -> tuple[int, Path] | None:
-    last = last_checkpoint(run_dir)
-    if cfg.run.resume:
-        if last is None:
-            raise ConfigError(
-                f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint: "
-                "point run.dir at an earlier run's directory, or drop run.resume."
-            )
-        return last
-    if last is not None or tier_files(cfg, rank):
-        raise ConfigError(
-            f"run.dir={run_dir} already holds a run (checkpoints or tier files): pass "
-            "run.resume=true to continue it, or choose a new run.dir."
+def load_newest(
+    model: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    candidates: Sequence[tuple[int, Path]],
+    rank: int,
+) -> tuple[int, Path]:
+    """Loads the newest of ``candidates`` (newest first) that loads, falling back (and saying
+    so) past damaged ones.
+
+    Raises:
+        CheckpointError: when none loads, naming each and why.
+    """
+    failed: list[str] = []
+    for step, path in candidates:
+        try:
+            load_checkpoint(model, optimizer, path)
+        except CheckpointError as e:
+            failed.append(str(e))
+            fall_back(path, _first_line(e.__cause__ or e), rank)
+            continue
+        return step, path
+    raise CheckpointError(
+        "no finished checkpoint could be loaded: " + "; ".join(failed) + ". Start a new run.dir, "
+        "or drop run.resume to start this one over"
+    )
+
+
+# ---------------------------------------------------------------------------- the run's start
+
+
+def _on_rank0(decide: Callable[[], _T], rank: int, world: int) -> _T:
+    """``decide()`` run by rank 0 alone (it reads and tidies the shared run directory), its
+    result or its user error given to every rank."""
+    outcome: list[object] = [None]
+    if rank == 0:
+        try:
+            outcome[0] = ("ok", decide())
+        except ConfigError as e:
+            if world == 1:
+                raise
+            outcome[0] = ("error", type(e), str(e))
+    if world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    result = cast(tuple[Any, ...], outcome[0])
+    if result[0] == "error":
+        raise result[1](result[2])
+    return cast(_T, result[1])
+
+
+def resume_candidates(
+    cfg: DictConfig, run_dir: Path, rank: int, world: int
+) -> list[tuple[int, Path]]:
+    """The finished checkpoints to resume from, newest first (checked ones that look
+    complete; damaged ones are set aside, saying so), or none for a run that starts (over).
+
+    A run directory whose earlier run stopped before its first finished checkpoint starts
+    over in place, with or without ``run.resume`` (saying so): its unfinished checkpoints and
+    outputs go, and :func:`start_over` removes each rank's tier files.
+
+    Raises:
+        RunDirError: ``run.resume=true`` on a directory that never held a run, a new run on
+            a directory holding a finished checkpoint, or a run that finished without one.
+        CheckpointError: ``run.resume=true`` where every finished checkpoint is damaged.
+    """
+    leftovers = bool(tier_files(cfg, rank))
+    if world > 1:
+        flags: list[object] = [None] * world
+        dist.all_gather_object(flags, leftovers)
+        leftovers = any(bool(f) for f in flags)
+    return _on_rank0(lambda: _decide_start(cfg, run_dir, leftovers), rank, world)
+
+
+def _decide_start(cfg: DictConfig, run_dir: Path, tier_leftovers: bool) -> list[tuple[int, Path]]:
+    finished = finished_checkpoints(run_dir)
+    if not cfg.run.resume and finished:
+        raise RunDirError(
+            f"run.dir={run_dir} already holds a run with a finished checkpoint "
+            f"({finished[0][1]}): pass run.resume=true to continue it, or choose a new run.dir."
         )
+    unfinished = _unfinished_checkpoints(run_dir)
+    usable: list[tuple[int, Path]] = []
+    for step, path in finished:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            usable.append((step, path))
+        else:
+            fall_back(path, problem, 0)
+    if finished and not usable:
+        raise CheckpointError(
+            f"every finished checkpoint in {run_dir}/checkpoints is damaged (each was moved "
+            "aside as damaged_step_*, see the warnings): drop run.resume to start this run "
+            "over in place, or start a new run.dir."
+        )
+    if usable:
+        for path in unfinished:  # a save that never finished holds rows and nothing usable
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed the unfinished checkpoint %s", path)
+        return usable
+    started = tier_leftovers or bool(unfinished) or (run_dir / PLAN_FILE).exists()
+    damaged = any((run_dir / "checkpoints").glob("damaged*_step_*"))
+    if started and (run_dir / "metrics.json").exists() and not damaged:
+        # It ran to the end without keeping a checkpoint: its tier files hold its trained rows.
+        raise RunDirError(
+            f"run.dir={run_dir} holds a run that finished without a checkpoint "
+            "(run.final_checkpoint=false): its tier files hold the only copy of its trained "
+            "rows, so it is not started over. Choose a new run.dir, or delete this one first."
+        )
+    if cfg.run.resume and not started:
+        raise RunDirError(
+            f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint and "
+            "run.dir holds no earlier run: point run.dir at an earlier run's directory, or drop "
+            "run.resume."
+        )
+    if started:
+        for path in unfinished:
+            shutil.rmtree(path, ignore_errors=True)
+        for name in _RUN_OUTPUTS:
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
+        logger.warning(
+            "run.dir=%s holds no finished checkpoint (its run stopped before one was saved): "
+            "starting over in place from step 0%s",
+            run_dir,
+            f", removing {len(unfinished)} unfinished checkpoint(s)" if unfinished else "",
+        )
+    return []
+
+
+def start_over(cfg: DictConfig, run_dir: Path, rank: int) -> int:
+    """Removes this rank's tier files left by a run of ``run_dir`` that stopped before its
+    first finished checkpoint; returns how many. Files this run directory did not make (a
+    shared ``hardware.tier_root`` or ``hardware.dirs``) are never touched.
+
+    Raises:
+        RunDirError: when such foreign files are in the way, naming them.
+    """
+    files = list(tier_files(cfg, rank))
+    if not files:
+        return 0
+    recorded = set(_recorded_files(run_dir).get(str(rank), []))
+    inside = run_dir.resolve()
+    ours = [p for p in files if p in recorded or Path(p).resolve().is_relative_to(inside)]
+    foreign = sorted(set(files) - set(ours))
+    if foreign:
+        raise RunDirError(
+            f"tier files {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} are in "
+            f"this run's tier directories but were not made by run.dir={run_dir} (is "
+            "hardware.tier_root or hardware.dirs shared with another run?): delete them, or "
+            "point hardware.tier_root / hardware.dirs elsewhere."
+        )
+    for path in ours:
+        Path(path).unlink(missing_ok=True)
+    logger.warning("rank %d: removed %d tier file(s) of the run that stopped", rank, len(ours))
+    return len(ours)
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+def _where(ps: ParameterSharding) -> str:
+    if isinstance(ps, TieredParameterSharding):
+        return str(ps.tier_options.tier.value)
+    return "device memory"  # DRAM or HBM: the checkpoint restores either
+
+
+def _shards(ps: ParameterSharding) -> list[list[Any]]:
+    spec = getattr(ps, "sharding_spec", None)
+    out: list[list[Any]] = []
+    for shard in getattr(spec, "shards", None) or []:
+        place = shard.placement
+        out.append(
+            [list(shard.shard_offsets), list(shard.shard_sizes), place.rank() if place else None]
+        )
+    return out
+
+
+def plan_record(
+    cfg: DictConfig, plan: Mapping[str, ParameterSharding], world: int, device_type: str
+) -> dict[str, Any]:
+    """What of a sharding plan the checkpoints and tier files depend on: per table its place
+    (a tier, or device memory), sharding and shards, each rank's tier file paths, and the
+    device type it was planned for."""
+    tables: dict[str, Any] = {}
+    files: dict[str, list[str]] = {str(r): [] for r in range(world)}
+    for name, ps in sorted(plan.items()):
+        shards = _shards(ps)
+        tables[name] = {
+            "where": _where(ps),
+            "sharding_type": ps.sharding_type,
+            "ranks": list(ps.ranks or []),
+            "shards": shards,
+        }
+        if isinstance(ps, TieredParameterSharding):
+            tier = ps.tier_options.tier.value
+            for offsets, _, shard_rank in shards:
+                if shard_rank is None:
+                    continue
+                file = f"{name}.r{offsets[0]}.c{offsets[1]}.{tier}.rows"
+                files.setdefault(str(shard_rank), []).append(
+                    str(_tier_dir(cfg, tier, shard_rank) / file)
+                )
+    return {"world_size": world, "device": device_type, "tables": tables, "files": files}
+
+
+def tier_space_problem(
+    cfg: DictConfig, plan: Mapping[str, ParameterSharding], rank: int, state_width: int = 1
+) -> str | None:
+    """Why this rank's tier files of ``plan`` would not fit their file systems (they are
+    preallocated in full when created; files already there are not counted), or None.
+    ``state_width`` is the optimizer state's floats per row (row-wise Adagrad: 1)."""
+    need: dict[int, tuple[Path, int]] = {}
+    for name, ps in plan.items():
+        if not isinstance(ps, TieredParameterSharding):
+            continue
+        tier = ps.tier_options.tier.value
+        directory = _tier_dir(cfg, tier, rank)
+        for offsets, sizes, shard_rank in _shards(ps):
+            file = directory / f"{name}.r{offsets[0]}.c{offsets[1]}.{tier}.rows"
+            if shard_rank != rank or file.exists():
+                continue
+            existing = next(p for p in (directory, *directory.parents) if p.exists())
+            device = existing.stat().st_dev
+            _, total = need.get(device, (existing, 0))
+            need[device] = (existing, total + sizes[0] * (sizes[1] + state_width) * 4 + 4096)
+    for existing, total in need.values():
+        free = shutil.disk_usage(existing).free
+        if total > free:
+            return (
+                f"the tier files of rank {rank} need {total / 2**20:.1f} MiB on the file system "
+                f"of {existing} but {free / 2**20:.1f} MiB are free (found before creating "
+                "any): free space there, point hardware.tier_root / hardware.dirs (or run.dir) "
+                "at a larger device, or move tables to DRAM with a larger planner.dram_budget."
+            )
     return None
+
+
+def _recorded_files(run_dir: Path) -> dict[str, list[str]]:
+    try:
+        record = json.loads((run_dir / PLAN_FILE).read_text())
+        return {str(k): [str(p) for p in v] for k, v in record["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save_plan(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """Writes the plan record (rank 0), before any tier file exists."""
+    write_private(run_dir / PLAN_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def plan_changes(run_dir: Path, record: Mapping[str, Any]) -> str | None:
+    """How ``record`` differs from the plan the run directory's checkpoints were taken with,
+    or None (also when the directory predates plan records).
+
+    Only what the checkpoint and the tier files depend on counts: a table's tier, sharding and
+    shards. Cache sizes and policies may change on resume. So may a table's move between
+    device memory and a tier when the run changed device (CUDA to CPU: the planner plans for
+    the device); the checkpoint fills the table wherever it now is, which is logged."""
+    path = run_dir / PLAN_FILE
+    try:
+        saved = json.loads(path.read_text())
+        before: dict[str, Any] = saved["tables"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now: dict[str, Any] = dict(record["tables"])
+    moved_device = saved.get("device", record.get("device")) != record.get("device")
+    changes: list[str] = []
+    for name in sorted(set(before) | set(now), key=_table_order):
+        old, new = before.get(name), now.get(name)
+        if old is None or new is None:
+            changes.append(f"table {name} {'is new' if old is None else 'is gone'}")
+        elif old["where"] != new["where"]:
+            change = f"table {name} was on {old['where']}, now {new['where']}"
+            if moved_device and "device memory" in (old["where"], new["where"]):
+                logger.warning(
+                    "%s (planned for %s, now %s): loading it from the checkpoint",
+                    change,
+                    saved.get("device"),
+                    record.get("device"),
+                )
+                continue
+            changes.append(change)
+        elif (old["sharding_type"], old["ranks"], old["shards"]) != (
+            new["sharding_type"],
+            new["ranks"],
+            new["shards"],
+        ):
+            changes.append(
+                f"table {name} was sharded {old['sharding_type']} on ranks {old['ranks']}, now "
+                f"{new['sharding_type']} on ranks {new['ranks']}"
+                + ("" if old["ranks"] != new["ranks"] else " with other shard bounds")
+            )
+    if not changes:
+        return None
+    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+    return (
+        f"the plan changed since the checkpoint: {shown}. The checkpoint's tier files follow "
+        f"{path}: resume with the planner, hardware and model options that made it (saved in "
+        f"{run_dir / 'config.yaml'}), or start a new run.dir."
+    )
+
+
+def _table_order(name: str) -> tuple[str, int]:
+    stem, _, number = name.rpartition("_")
+    return (stem, int(number)) if number.isdigit() else (name, -1)

@@ -67,6 +67,8 @@ class RunConfig:
     progress_every_s: float = MISSING
     device: str = MISSING
     num_threads: int = MISSING
+    collective_timeout: str = MISSING
+    bounds_check: str = MISSING
 
 
 @dataclass

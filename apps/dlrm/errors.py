@@ -5,18 +5,34 @@ from __future__ import annotations
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from apps.dlrm.data import MalformedRowError
+from torchrec_mtrains.distributed.runtime import RankFailure
+from torchrec_mtrains.distributed.tiered_tables import TableIdError
+
 
 class ConfigError(ValueError):
     """A configuration or input problem the user can fix; printed as one paragraph."""
 
 
-# Errors a user fixes by changing the command line, printed as one paragraph: ours, Hydra's
-# composition errors (unknown preset, bad override syntax) and OmegaConf's (unknown key,
-# failed interpolation).
+class RunDirError(ConfigError):
+    """A run directory that cannot be started or resumed as asked; says what to pass."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or read; names it and the cause."""
+
+
+# Errors a user fixes by changing the command line or the input, printed as one paragraph:
+# ours, Hydra's composition errors (unknown preset, bad override syntax), OmegaConf's (unknown
+# key, failed interpolation), and the data's own (a malformed row, an id outside its table:
+# they name the file and line, or the table), which the app usually rewords first.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     HydraException,
     OmegaConfBaseException,
+    MalformedRowError,
+    TableIdError,
+    RankFailure,  # another rank failed or stopped answering: it names the rank
 )
 
 

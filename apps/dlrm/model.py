@@ -4,6 +4,7 @@ storage the plan's tiered tables use, and the optimizers."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,13 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from omegaconf import DictConfig, OmegaConf
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.errors import ConfigError
 from apps.dlrm.placement import format_placements, size_rule_plan
@@ -26,6 +28,7 @@ from torchrec_mtrains.distributed import (
     TieredParameterSharding,
     TierStorage,
 )
+from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
 from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device, store_options
@@ -62,7 +65,11 @@ def tier_mounts(cfg: DictConfig) -> dict[str, str]:
 def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
     """Where the tier files go (``hardware.tier_root`` unless ``hardware.dirs`` names a tier)
     and how the stores are opened: with the hardware topology's figures (``store_options``),
-    e.g. ``hardware.block_scm.queue_depth``, the ones the tiered planner plans with."""
+    e.g. ``hardware.block_scm.queue_depth``, the ones the tiered planner plans with.
+
+    A new run creates its files (an existing one is an error); a resumed run opens them and
+    creates a missing one, which loading the checkpoint then fills with every row (the
+    checkpoint holds them all), so a deleted tier file does not make the run unresumable."""
     hw = cfg.hardware
     try:
         return TierStorage(
@@ -70,7 +77,7 @@ def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
             dirs=tier_mounts(cfg),
             # The planner's figures (block size, queue depth), so the stores run as it assumed.
             tier_options=store_options(topology_from_config(hw)),
-            open_mode=OpenMode.OPEN if resume else OpenMode.CREATE,
+            open_mode=OpenMode.OPEN_OR_CREATE if resume else OpenMode.CREATE,
         )
     except ValueError as e:
         raise ConfigError(f"hardware: {e}") from None
@@ -99,11 +106,35 @@ def check_model_config(cfg: DictConfig) -> list[int]:
     return sizes
 
 
+def bounds_check_option(cfg: DictConfig) -> BoundsCheck:
+    """``run.bounds_check``: what a batch with an id outside its table does, for every table
+    (``error``: the run stops naming the table, the feature and the id; ``warn``: TorchRec's
+    default, a warning and row 0 looked up instead)."""
+    value = OmegaConf.select(cfg, "run.bounds_check", default=BoundsCheck.ERROR.value)
+    try:
+        return BoundsCheck.parse(str(value))
+    except ValueError:
+        allowed = ", ".join(m.value for m in BoundsCheck)
+        raise ConfigError(
+            f"run.bounds_check={value!r}: expected one of {allowed} (error stops the run at a "
+            "batch holding an id outside its table; warn looks up row 0 instead, as TorchRec does)"
+        ) from None
+
+
 def build_model(
-    cfg: DictConfig, world_size: int, resume: bool, device: torch.device
+    cfg: DictConfig,
+    world_size: int,
+    resume: bool,
+    device: torch.device,
+    before_build: Callable[[EmbeddingModuleShardingPlan, Mapping[str, Sequence[int]]], None]
+    | None = None,
 ) -> tuple[DistributedModelParallel, CombinedOptimizer, str]:
     """The sharded DLRM on ``device`` (tiered tables' rows on their tiers, their caches and
-    every other table on ``device``), its combined optimizer and the plan printout."""
+    every other table on ``device``), its combined optimizer and the plan printout.
+
+    ``before_build(plan, hot_rows)`` runs once the plan is made and before any tier file is
+    created or opened (the hot rows are each tiered table's pinned ones): checks that can
+    refuse the plan belong there, so a refused run leaves no tier file behind."""
     sizes = check_model_config(cfg)
     dim = int(cfg.model.embedding_dim)
     tables = [
@@ -125,10 +156,12 @@ def build_model(
     )
     lr = float(cfg.run.learning_rate)
     tiered_planner = str(cfg.planner.get("name", "")) == "tiered"
+    bounds_check = bounds_check_option(cfg)
     sharder = TieredEmbeddingBagCollectionSharder(
         build_storage(cfg, resume),
         offer_tiered_kernel=tiered_planner,
         fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
+        bounds_check=bounds_check,
     )
     try:
         if tiered_planner:
@@ -161,6 +194,8 @@ def build_model(
         ) from None
     except ValueError as e:  # the options' own checks
         raise ConfigError(f"planner: {e}") from None
+    if before_build is not None:
+        before_build(plan, dict(sharder.hot_rows or {}))
     dmp = DistributedModelParallel(
         model,
         device=device,
@@ -173,6 +208,81 @@ def build_model(
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return dmp, optimizer, plan_text
+
+
+def check_batch_ids(cfg: DictConfig, features: KeyedJaggedTensor, what: str) -> None:
+    """Refuses a batch (the first one, checked before any tier file exists) holding an id
+    outside its table, naming the feature, the table and the options that disagree; with
+    ``run.bounds_check=warn`` such ids are looked up as row 0 instead, so nothing is refused.
+
+    Raises:
+        ConfigError: for the first such feature.
+    """
+    if bounds_check_option(cfg) is BoundsCheck.WARN:
+        return
+    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
+    values, offsets = features.values(), features.offset_per_key()
+    for i, key in enumerate(features.keys()):
+        index = int(key.rsplit("_", 1)[-1]) if key.rsplit("_", 1)[-1].isdigit() else i
+        if offsets[i] == offsets[i + 1] or index >= len(sizes):
+            continue
+        ids = values[offsets[i] : offsets[i + 1]]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo >= 0 and hi < sizes[index]:
+            continue
+        data_sizes = OmegaConf.select(cfg, "data.num_embeddings_per_feature")
+        data_note = (
+            f" while data.num_embeddings_per_feature={list(data_sizes)}"
+            if data_sizes is not None and list(data_sizes) != sizes
+            else ""
+        )
+        raise ConfigError(
+            f"{what} holds row id {lo if lo < 0 else hi} for feature {key!r}, outside table "
+            f"t_cat_{index}'s {sizes[index]} rows (model.num_embeddings_per_feature[{index}]="
+            f"{sizes[index]}{data_note}): make the data's ids fit the model's tables (data "
+            f"kind {cfg.data.kind}), give the tables as many rows as the data has, or pass "
+            "run.bounds_check=warn to look such ids up as row 0, as TorchRec does."
+        )
+
+
+def check_cache_sizes(
+    cfg: DictConfig,
+    plan: EmbeddingModuleShardingPlan,
+    features: KeyedJaggedTensor,
+    hot_rows: Mapping[str, Sequence[int]],
+) -> None:
+    """Refuses a plan whose cache of a tiered table shard cannot hold the distinct rows a
+    batch (this rank's first, so at least as many as training will need) asks of it besides
+    its pinned rows: training would fail on the first step, after the tier files exist.
+
+    Raises:
+        ConfigError: naming the table, both sizes and the options to change.
+    """
+    ids_of: dict[str, torch.Tensor] = {}
+    values, offsets = features.values(), features.offset_per_key()
+    for i, key in enumerate(features.keys()):
+        ids_of[f"t_{key}"] = values[offsets[i] : offsets[i + 1]]
+    for name, ps in plan.items():
+        if not isinstance(ps, TieredParameterSharding) or name not in ids_of:
+            continue
+        ids = torch.unique(ids_of[name].to(torch.int64))
+        for shard in getattr(ps.sharding_spec, "shards", None) or []:
+            start, rows = int(shard.shard_offsets[0]), int(shard.shard_sizes[0])
+            mine = ids[(ids >= start) & (ids < start + rows)]
+            pinned = sum(1 for r in hot_rows.get(name, ()) if start <= r < start + rows)
+            room = ps.tier_options.cache_rows(rows)
+            if int(mine.numel()) + pinned <= room:
+                continue
+            if "cache_load_factor" in cfg.planner:
+                knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
+            else:
+                knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
+            raise ConfigError(
+                f"table {name!r}: its cache of {room} rows cannot hold the first batch's "
+                f"{int(mine.numel())} distinct rows{f' besides {pinned} pinned' if pinned else ''}"
+                f" (found before creating any tier file). Raise {knob} or lower "
+                f"data.batch_size (now {cfg.data.batch_size})."
+            )
 
 
 def tiered_plan(

@@ -24,10 +24,11 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
 import hydra
 import torch
@@ -36,21 +37,30 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import EmbeddingModuleShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.checkpoints import (
+    PLAN_FILE,
     Position,
     checkpoint_position,
+    how_to_continue,
     last_checkpoint,
-    load_checkpoint,
-    resume_point,
+    load_newest,
+    plan_changes,
+    plan_record,
+    resume_candidates,
     save_checkpoint,
+    save_plan,
+    start_over,
     tier_files,
+    tier_space_problem,
 )
 from apps.dlrm.config import CONF_DIR, check_keys
-from apps.dlrm.data import Split, build_dataloader
-from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
-from apps.dlrm.model import build_model, lookahead_depth
+from apps.dlrm.data import MalformedRowError, Split, build_dataloader
+from apps.dlrm.errors import USER_ERRORS, ConfigError, RunDirError, one_paragraph
+from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes, lookahead_depth
 from apps.dlrm.progress import Progress
 from apps.dlrm.report import (
     EvalResult,
@@ -64,13 +74,19 @@ from apps.dlrm.report import (
 )
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed.runtime import (
+    failing_together,
+    format_duration,
     init_process_group,
+    parse_duration,
     resolve_device,
 )
+from torchrec_mtrains.distributed.tiered_tables import TableIdError
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.tiers.base import RowStoreError
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
+
+_T = TypeVar("_T")
 
 
 def compute_device(cfg: DictConfig) -> torch.device:
@@ -79,6 +95,16 @@ def compute_device(cfg: DictConfig) -> torch.device:
         return resolve_device(str(OmegaConf.select(cfg, "run.device", default="auto")))
     except ValueError as e:
         raise ConfigError(f"run.{e}") from None
+
+
+def collective_timeout(cfg: DictConfig) -> timedelta:
+    """``run.collective_timeout``: how long a collective waits for the other ranks before the
+    run stops, naming the ranks that did not answer."""
+    value = OmegaConf.select(cfg, "run.collective_timeout", default="10min")
+    try:
+        return parse_duration(value, "run.collective_timeout")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _agree_run_dir(cfg: DictConfig, world: int) -> DictConfig:
@@ -294,30 +320,47 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: for a configuration the user must fix (bad value, missing file,
             unwritable ``run.dir``, a run directory that already holds a run).
+        RankFailure: when another rank failed, stopped answering for ``run.collective_timeout``
+            or died; it names that rank (and its error).
     """
     check_keys(cfg)
     threads = int(cfg.run.get("num_threads", 0))
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    group = init_process_group(compute_device(cfg))
+    timeout = collective_timeout(cfg)
+    group = init_process_group(compute_device(cfg), timeout)
+    # A rank that fails, stalls or dies ends every rank, each naming it (see failing_together).
+    option = f"run.collective_timeout={format_duration(timeout)}"
     try:
-        cfg = _agree_run_dir(cfg, group.world_size)
-        run_dir = _prepare_run_dir(cfg)
-        return _train(cfg, run_dir, group.rank, group.world_size, group.device)
+        with failing_together(timeout, option=option):
+            cfg = _agree_run_dir(cfg, group.world_size)
+            run_dir = _prepare_run_dir(cfg)
+            return _train(cfg, run_dir, group.rank, group.world_size, group.device)
     finally:
-        if group.created:
+        if group.created and dist.is_initialized():  # failing_together aborts it on errors
             dist.destroy_process_group()
         torch.set_num_threads(caller_threads)
 
 
-@contextlib.contextmanager
-def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
-    """A batch with more distinct rows of a table than its cache holds is a sizing problem.
-    With look-ahead the cache holds ``lookahead + 1`` batches at once."""
-    try:
-        yield
-    except CacheTooSmallError as e:
+def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``error`` or the first of its causes (a pipeline worker's error arrives wrapped) that
+    is a ``kind``."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        if isinstance(found, kind):
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
+def _explained(cfg: DictConfig, error: BaseException) -> str | None:
+    """``error`` as a sentence naming the file, table or option at fault and what to change,
+    for the errors the data, the tiers and the caches raise; None for any other."""
+    if (e := _cause(error, CacheTooSmallError)) is not None:
+        # With look-ahead the cache holds ``lookahead + 1`` batches at once.
         lookahead = int(cfg.pipeline.get("lookahead", 0))
         also = (
             f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
@@ -329,9 +372,91 @@ def _cache_errors_explained(cfg: DictConfig) -> Iterator[None]:
             knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
         else:
             knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
-        raise ConfigError(
-            f"{e}. Raise {knob} or lower data.batch_size (now {cfg.data.batch_size}){also}."
-        ) from None
+        return f"{e}. Raise {knob} or lower data.batch_size (now {cfg.data.batch_size}){also}."
+    if (e := _cause(error, MalformedRowError)) is not None:
+        return (
+            f"malformed data row {e} (data.on_error=fail): fix or delete that line, or pass "
+            "data.on_error=skip to skip and count malformed rows."
+        )
+    if (e := _cause(error, TableIdError)) is not None:
+        return (
+            f"{e}: the data's ids must fit model.num_embeddings_per_feature "
+            f"(data.kind={cfg.data.kind}); make them fit, or give the tables more rows."
+        )
+    if (e := _cause(error, RowStoreError)) is not None:
+        return (
+            f"tier storage (hardware.*): {e}. Free space there, or point hardware.tier_root / "
+            "hardware.dirs at other directories."
+            if "full" in str(e) or "quota" in str(e)
+            else f"tier storage (hardware.*): {e}"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _errors_explained(cfg: DictConfig, run_dir: Path | None = None) -> Iterator[None]:
+    """The data's, the tiers' and the caches' errors as one-paragraph config errors
+    (:func:`_explained`); with ``run_dir`` (once training has begun) they also say how a
+    rerun carries on: from the last finished checkpoint, or over in place."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        message = _explained(cfg, e)
+        if message is None:
+            raise
+        if run_dir is not None:
+            message = f"{message.rstrip('.')}. Then {how_to_continue(run_dir)}."
+        raise ConfigError(message) from None
+
+
+def _on_all_ranks(check: Callable[[], _T], world: int) -> _T:
+    """``check()`` on every rank: a user error on any rank stops them all, with its message,
+    rather than leaving the others waiting in their next collective."""
+    if world == 1:
+        return check()
+    result: _T | None = None
+    error: tuple[type[ConfigError], str] | None = None
+    try:
+        result = check()
+    except ConfigError as e:
+        error = (type(e), str(e))
+    errors: list[object] = [None] * world
+    dist.all_gather_object(errors, error)
+    for found in errors:
+        if found is not None:
+            kind, message = cast(tuple[type[ConfigError], str], found)
+            raise kind(message)
+    return result  # type: ignore[return-value]
+
+
+def _first_batches(
+    cfg: DictConfig, first: Iterable[Batch], held_out: Iterable[Batch], evaluates: bool
+) -> KeyedJaggedTensor | None:
+    """Reads the first training batch (and the first held-out one when the run evaluates)
+    and checks their ids against the tables, before any tier file exists: unreadable data or
+    ids outside a table stop the run here, not after it built its tiers. Returns the training
+    batch's ids (the caches are sized against them), None if the split is empty."""
+    with _errors_explained(cfg):
+        batch = _peek(first)
+        if batch is not None:
+            check_batch_ids(cfg, batch.sparse_features, "the first training batch")
+        if evaluates:
+            probe = _peek(held_out)
+            if probe is not None:
+                check_batch_ids(cfg, probe.sparse_features, "the first held-out batch")
+    return batch.sparse_features if batch is not None else None
+
+
+def _peek(source: Iterable[Batch]) -> Batch | None:
+    """The first batch of ``source``, its reader closed again (training iterates it anew)."""
+    batches = iter(source)
+    try:
+        return next(batches, None)
+    finally:
+        if isinstance(batches, Generator):
+            batches.close()
 
 
 def _train(
@@ -344,22 +469,50 @@ def _train(
     phases: dict[str, float] = {}
     warned: list[str] = []
     t0 = time.perf_counter()
-    last = resume_point(cfg, run_dir, rank)
+    # The finished checkpoints to try, newest first; none: the run starts (over, in place).
+    candidates = resume_candidates(cfg, run_dir, rank, world)
+    last = candidates[0] if candidates else None
     start_step = last[0] if last is not None else 0
     position = checkpoint_position(last[1]) if last is not None else Position(0, 0)
     first = _source(cfg, rank, world, Split.TRAIN, position.batch)
     held_out = _source(cfg, rank, world, Split.EVAL)
+    probe = _on_all_ranks(lambda: _first_batches(cfg, first, held_out, eval_cap != 0), world)
+    tensorboard = bool(OmegaConf.select(cfg, "run.tensorboard", default=True))
     log = RunLog(
         run_dir,
         enabled=rank == 0,
-        tensorboard=bool(OmegaConf.select(cfg, "run.tensorboard", default=True)),
+        tensorboard=tensorboard,
         resumed_at=start_step if last is not None else None,
     )
+    if last is None:
+        _on_all_ranks(lambda: start_over(cfg, run_dir, rank), world)
     files_before = tier_files(cfg, rank)
-    try:
-        model, optimizer, plan_text = build_model(cfg, world, last is not None, device)
-    except RowStoreError as e:
-        raise ConfigError(f"tier storage (hardware.*): {e}") from None
+
+    def vet_plan(plan: EmbeddingModuleShardingPlan, hot_rows: Any) -> None:
+        """Before any tier file is created or opened: caches that cannot hold the first batch,
+        a plan other than the checkpoint's and tier files that would not fit their disks stop
+        the run; a new run records its plan (and so its tier files, which a rerun may then
+        remove to start over)."""
+        record = plan_record(cfg, plan, world, device.type)
+
+        def check() -> None:
+            if probe is not None:
+                check_cache_sizes(cfg, plan, probe, hot_rows)
+            changed = plan_changes(run_dir, record) if last is not None else None
+            if changed is not None:
+                raise RunDirError(changed)
+            no_room = tier_space_problem(cfg, plan, rank)
+            if no_room is not None:
+                raise ConfigError(no_room)
+
+        _on_all_ranks(check, world)
+        if rank == 0 and (last is None or not (run_dir / PLAN_FILE).exists()):
+            save_plan(run_dir, record)
+
+    with _errors_explained(cfg):
+        model, optimizer, plan_text = build_model(
+            cfg, world, last is not None, device, before_build=vet_plan
+        )
     files_after = tier_files(cfg, rank)
     reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
     file_counts = torch.tensor([len(files_after) - reopened, reopened], device=device)
@@ -368,8 +521,23 @@ def _train(
     phases["build"] = time.perf_counter() - t0
     if last is not None:
         t0 = time.perf_counter()
-        load_checkpoint(model, optimizer, last[1])
+        loaded = load_newest(model, optimizer, candidates, rank)
+        if loaded != last:  # fell back past a damaged checkpoint: continue from the older one
+            last = loaded
+            start_step = last[0]
+            position = checkpoint_position(last[1])
+            first = _source(cfg, rank, world, Split.TRAIN, position.batch)
+            log = RunLog(run_dir, rank == 0, tensorboard, resumed_at=start_step)
         phases["restore"] = time.perf_counter() - t0
+        rebuilt = sorted(set(files_after) - set(files_before))
+        if rebuilt:
+            logger.warning(
+                "rank %d: rebuilt %d missing tier file(s) from checkpoint %s: %s",
+                rank,
+                len(rebuilt),
+                last[1],
+                ", ".join(rebuilt),
+            )
         logger.info(
             "resumed from %s at step %d (epoch %d, batch %d)", last[1], start_step, *position
         )
@@ -419,7 +587,7 @@ def _train(
         }
 
     try:
-        with _cache_errors_explained(cfg), running:
+        with _errors_explained(cfg, run_dir), running:
             while schedule.steps is None or step < schedule.steps:
                 try:
                     loss, logits, labels = step_fn()
@@ -448,7 +616,7 @@ def _train(
         result: EvalResult | None = None
         if eval_cap != 0:
             batches, _ = _in_step(held_out, world, device)
-            with _cache_errors_explained(cfg):
+            with _errors_explained(cfg, run_dir):
                 result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
             log.eval(step, result)
             warned.extend(_eval_warnings(cfg, result, world))
@@ -557,6 +725,8 @@ def _quiet_libraries() -> None:
     logging.getLogger("apps").setLevel(logging.INFO)
     # Known, harmless deprecation notes from TorchRec's DMP on this stack.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
+    # torchrec.metrics syncs through torchmetrics, which calls collectives torch now renames.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
