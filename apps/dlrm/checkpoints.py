@@ -662,8 +662,34 @@ def plan_changes(run_dir: Path, record: Mapping[str, Any]) -> str | None:
     return (
         f"the plan changed since the checkpoint: {shown}. The checkpoint's tier files follow "
         f"{path}: resume with the planner, hardware and model options that made it (saved in "
-        f"{run_dir / 'config.yaml'}), or start a new run.dir."
+        f"{run_dir / 'config.yaml'}), pass run.replan=true to rebuild every tier file from the "
+        "checkpoint under the new plan, or start a new run.dir."
     )
+
+
+def planned_world_size(run_dir: Path) -> int | None:
+    """The world size of the plan the run directory's checkpoints were taken with, if known."""
+    try:
+        return int(json.loads((run_dir / PLAN_FILE).read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def drop_old_tier_files(run_dir: Path, rank: int, world: int) -> list[str]:
+    """Removes the tier files of the plan recorded in ``run_dir`` that this rank owns under the
+    new plan's world size: its own, and on rank 0 those of ranks beyond it. Rank ``r`` only
+    touches rank ``r``'s directories (and rank 0 those no new rank uses), so no rank removes a
+    file another has just created. Safe only before loading a finished checkpoint, which holds
+    every row. Returns the removed paths."""
+    removed = []
+    for owner, paths in _recorded_files(run_dir).items():
+        if int(owner) != rank and not (rank == 0 and int(owner) >= world):
+            continue
+        for path in map(Path, paths):
+            if path.exists():
+                path.unlink()
+                removed.append(str(path))
+    return removed
 
 
 def _table_order(name: str) -> tuple[str, int]:

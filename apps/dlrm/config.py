@@ -63,6 +63,7 @@ class RunConfig:
     checkpoint_every: int = MISSING
     final_checkpoint: bool = MISSING
     resume: bool = MISSING
+    replan: bool = MISSING
     progress: bool = MISSING
     progress_every_s: float = MISSING
     device: str = MISSING

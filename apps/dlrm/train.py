@@ -45,11 +45,13 @@ from apps.dlrm.checkpoints import (
     PLAN_FILE,
     Position,
     checkpoint_position,
+    drop_old_tier_files,
     how_to_continue,
     last_checkpoint,
     load_newest,
     plan_changes,
     plan_record,
+    planned_world_size,
     resume_candidates,
     save_checkpoint,
     save_plan,
@@ -459,6 +461,23 @@ def _peek(source: Iterable[Batch]) -> Batch | None:
             batches.close()
 
 
+def _replan(cfg: DictConfig, run_dir: Path, changed: str, world: int) -> bool:
+    """Whether a resume whose plan differs from the checkpoint's rebuilds the tier files under
+    the new plan: when asked (``run.replan``), or when the world size changed, which changes
+    the plan by itself. The checkpoint's sharded tensors carry their global offsets, so
+    loading them into the new plan's shards restores every row exactly."""
+    before = planned_world_size(run_dir)
+    if not (bool(OmegaConf.select(cfg, "run.replan", default=False)) or before != world):
+        return False
+    why = f"world size {before} -> {world}" if before != world else "run.replan=true"
+    logger.warning(
+        "%s (%s): rebuilding every tier file from the checkpoint under the new plan",
+        changed.split(". The checkpoint's", 1)[0],
+        why,
+    )
+    return True
+
+
 def _train(
     cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
 ) -> dict[str, Any]:
@@ -495,18 +514,26 @@ def _train(
         remove to start over)."""
         record = plan_record(cfg, plan, world, device.type)
 
+        replanned = False
+
         def check() -> None:
+            nonlocal replanned
             if probe is not None:
                 check_cache_sizes(cfg, plan, probe, hot_rows)
             changed = plan_changes(run_dir, record) if last is not None else None
             if changed is not None:
-                raise RunDirError(changed)
+                replanned = _replan(cfg, run_dir, changed, world)
+                if not replanned:
+                    raise RunDirError(changed)
             no_room = tier_space_problem(cfg, plan, rank)
             if no_room is not None:
                 raise ConfigError(no_room)
 
         _on_all_ranks(check, world)
-        if rank == 0 and (last is None or not (run_dir / PLAN_FILE).exists()):
+        if replanned:
+            # Every rank's old files must be gone before any rank creates the new plan's.
+            _on_all_ranks(lambda: drop_old_tier_files(run_dir, rank, world), world)
+        if rank == 0 and (last is None or replanned or not (run_dir / PLAN_FILE).exists()):
             save_plan(run_dir, record)
 
     with _errors_explained(cfg):

@@ -1,0 +1,80 @@
+"""A checkpoint written at one world size resumes at another, under a new plan, every row exact;
+a changed plan at the same world size is refused unless ``run.replan=true``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dlrm_helpers import app_config
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from apps.dlrm.checkpoints import finished_checkpoints, planned_world_size
+from apps.dlrm.errors import RunDirError
+from apps.dlrm.train import main
+
+# Row-wise sharding of the large tables makes the plan depend on the world size.
+TRAIN = ("data.batch_size=32", "run.eval_batches=0", "pipeline.lookahead=0")
+
+
+def _rank(rank: int, world: int, port: int, run_dir: Path, overrides: tuple[str, ...]) -> None:
+    from torchrec_mtrains.distributed.runtime import process_group
+
+    with process_group(timeout=timedelta(seconds=120), rank=rank, world_size=world, port=port):
+        main(app_config(run_dir, *TRAIN, *overrides))
+
+
+def _run(world: int, run_dir: Path, *overrides: str) -> None:
+    if world == 1:
+        main(app_config(run_dir, *TRAIN, *overrides))
+        return
+    from torchrec_mtrains.distributed.runtime import free_port
+
+    mp.spawn(_rank, args=(world, free_port(), run_dir, overrides), nprocs=world, join=True)
+
+
+def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it."""
+    flat = scratch / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    model = torch.load(flat, weights_only=False)["model"]
+    return {
+        key: value
+        for key, value in model.items()
+        if ".embedding_bags." in key and key.endswith(".weight")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_world", [1, 4])
+def test_a_two_rank_checkpoint_resumes_at_another_world_size(
+    tmp_path: Path, resume_world: int
+) -> None:
+    run_dir = tmp_path / "run"
+    _run(2, run_dir, "run.steps=4")
+    assert planned_world_size(run_dir) == 2
+    # Two more steps at learning rate 0: the weights must be the checkpoint's, bit for bit,
+    # however the new plan splits the tables over ranks and tiers.
+    _run(resume_world, run_dir, "run.steps=6", "run.resume=true", "run.learning_rate=0")
+    assert planned_world_size(run_dir) == resume_world
+    (before_step, before), (after_step, after) = sorted(finished_checkpoints(run_dir))[-2:]
+    assert (before_step, after_step) == (4, 6)
+    written = _weights(before, tmp_path)
+    restored = _weights(after, tmp_path)
+    assert len(written) == 26 and written.keys() == restored.keys()
+    for name, weight in written.items():
+        assert torch.equal(weight, restored[name]), name
+
+
+def test_a_changed_plan_at_the_same_world_size_needs_replan(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(1, run_dir, "run.steps=2")
+    moved = "planner.block_scm_min_bytes=100MB"  # the block-tier tables go to byte SCM
+    with pytest.raises(RunDirError, match=r"plan changed.*run\.replan=true"):
+        _run(1, run_dir, "run.steps=3", "run.resume=true", moved)
+    _run(1, run_dir, "run.steps=3", "run.resume=true", moved, "run.replan=true")
+    assert max(step for step, _ in finished_checkpoints(run_dir)) == 3
+    assert not list(run_dir.glob("tiers/block_scm/*/*.rows"))  # the old plan's files are gone
