@@ -215,11 +215,13 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     position: Position | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
     their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete and records the
     data ``position`` a resumed run continues from (default: ``step`` batches into epoch 0).
-    Files are 0600 and directories 0700 whatever the umask.
+    Files are 0600 and directories 0700 whatever the umask. Once it is complete, finished
+    checkpoints beyond the newest ``keep`` are deleted (``None``: all are kept).
 
     Raises:
         CheckpointError: naming the checkpoint directory and the cause (a full disk said as
@@ -254,6 +256,9 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         epoch, batch = position or Position(0, step)
         write_private(path / DONE_FILE, json.dumps({"step": step, "epoch": epoch, "batch": batch}))
+        if keep is not None:
+            for _, old in finished_checkpoints(run_dir)[keep:]:
+                shutil.rmtree(old)
     dist.barrier()
     return path
 

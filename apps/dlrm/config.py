@@ -62,6 +62,7 @@ class RunConfig:
     tensorboard: bool = MISSING
     checkpoint_every: int = MISSING
     final_checkpoint: bool = MISSING
+    keep_checkpoints: int | None = MISSING
     resume: bool = MISSING
     replan: bool = MISSING
     progress: bool = MISSING

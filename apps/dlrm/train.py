@@ -485,6 +485,7 @@ def _train(
     lookahead = lookahead_depth(cfg)
     schedule = Schedule.from_config(cfg)
     eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
+    keep = _count_option(cfg, "run.keep_checkpoints", minimum=1, default=None)
     phases: dict[str, float] = {}
     warned: list[str] = []
     t0 = time.perf_counter()
@@ -627,7 +628,7 @@ def _train(
                 window.add(loss, logits, labels)
                 progress.update(report() if step % log_every == 0 else None)
                 if ckpt_every and step % ckpt_every == 0:
-                    saved = (step, save_checkpoint(model, optimizer, run_dir, step, position))
+                    saved = (step, save_checkpoint(model, optimizer, run_dir, step, position, keep))
             if window.steps:
                 progress.show(report())  # the last steps, short of a whole window
         progress.close()
@@ -657,7 +658,7 @@ def _train(
         elif saved is not None and saved[0] == step:
             ckpt = saved[1]  # nothing new to save
         else:
-            ckpt = save_checkpoint(model, optimizer, run_dir, step, position)
+            ckpt = save_checkpoint(model, optimizer, run_dir, step, position, keep)
         phases["checkpoint"] = time.perf_counter() - t0
     finally:
         log.close()

@@ -179,3 +179,21 @@ def test_checkpoints_are_private_whatever_the_umask(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     for path in [*files, *tier_files(run_dir)]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+@pytest.mark.parametrize(("keep", "left"), [("2", [6, 8]), ("null", [2, 4, 6, 8])])
+def test_keep_checkpoints_deletes_the_oldest_finished_ones(
+    tmp_path: Path, keep: str, left: list[int]
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ("data.batch_size=32", "run.eval_batches=0", "run.checkpoint_every=2")
+    main(app_config(run_dir, *overrides, "run.steps=8", f"run.keep_checkpoints={keep}"))
+    assert sorted(step for step, _ in checkpoints.finished_checkpoints(run_dir)) == left
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        f"step_{step:08d}" for step in left
+    ]
+
+
+def test_keep_checkpoints_must_be_a_positive_count(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"run\.keep_checkpoints=0"):
+        main(app_config(tmp_path / "run", "run.steps=2", "run.keep_checkpoints=0"))
