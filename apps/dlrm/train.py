@@ -383,7 +383,8 @@ def _explained(cfg: DictConfig, error: BaseException) -> str | None:
     if (e := _cause(error, TableIdError)) is not None:
         return (
             f"{e}: the data's ids must fit model.num_embeddings_per_feature "
-            f"(data.kind={cfg.data.kind}); make them fit, or give the tables more rows."
+            f"(data.kind={cfg.data.kind}); make them fit, give the tables more rows, or pass "
+            "run.bounds_check=warn to train such ids on row 0 as TorchRec does"
         )
     if (e := _cause(error, RowStoreError)) is not None:
         return (
