@@ -641,15 +641,7 @@ def _train(
         warned.extend(_short_of_schedule(cfg, schedule, state, step))
         phases["train"] = elapsed
 
-        t0 = time.perf_counter()
-        result: EvalResult | None = None
-        if eval_cap != 0:
-            batches, _ = _in_step(held_out, world, device)
-            with _errors_explained(cfg, run_dir):
-                result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
-            log.eval(step, result)
-            warned.extend(_eval_warnings(cfg, result, world))
-        phases["eval"] = time.perf_counter() - t0
+        # Saved before evaluation, so a failure there loses no training.
         t0 = time.perf_counter()
         ckpt: Path | None
         if not cfg.run.final_checkpoint:
@@ -661,6 +653,15 @@ def _train(
         else:
             ckpt = save_checkpoint(model, optimizer, run_dir, step, position, keep)
         phases["checkpoint"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result: EvalResult | None = None
+        if eval_cap != 0:
+            batches, _ = _in_step(held_out, world, device)
+            with _errors_explained(cfg, run_dir):
+                result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
+            log.eval(step, result)
+            warned.extend(_eval_warnings(cfg, result, world))
+        phases["eval"] = time.perf_counter() - t0
     finally:
         log.close()
     stats = gathered_tier_stats(model, world)
