@@ -1,8 +1,8 @@
 """The tiered planner: places embedding tables on HBM, DRAM, byte SCM and block SCM and sizes
 their caches from measured locality, as TorchRec planner components.
 
-* :mod:`.topology` - one host's memory hierarchy (Hydra structured config, presets in
-  ``conf/hardware``);
+* :mod:`.topology` - one host's memory hierarchy (Hydra structured config; presets shipped
+  in ``torchrec_mtrains/conf/hardware``, read by :func:`load_topology`);
 * :mod:`.perf_model` - per-step time of a table shard on a placement;
 * :mod:`.access` - access statistics from a profile, the uniform fallback, or a Zipf law;
 * :mod:`.enumerators`, :mod:`.shard_estimators`, :mod:`.proposers`, :mod:`.partitioners` -
