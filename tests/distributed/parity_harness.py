@@ -340,7 +340,10 @@ def set_weights(model: DistributedModelParallel, weights: dict[str, torch.Tensor
 
 
 def unsharded_outputs(kind: str, seed: int, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
-    """Per feature, what the unsharded module computes from :func:`global_weights`."""
+    """Per feature, what the unsharded module computes on the CPU from :func:`global_weights`.
+    Pass the batch as built on the CPU: torchrec 1.6.1's ``KeyedJaggedTensor.to`` copies the
+    cached per-feature dict of a batch that was already split, so a CUDA batch moved to the CPU
+    still hands EBC its CUDA ids."""
     module = make_module(kind).to_empty(device=torch.device("cpu"))
     weights = global_weights(seed)
     with torch.no_grad():
@@ -385,10 +388,10 @@ def train(
     module's (max abs difference), a check of the whole sharded path independent of FUSED."""
     first = 0.0
     for step in range(STEPS):
-        kjt = make_kjt(batch_ids(seed, rank, step)).to(device)
-        outputs = per_feature(kind, model(kjt))
+        host_kjt = make_kjt(batch_ids(seed, rank, step))
+        outputs = per_feature(kind, model(host_kjt.to(device)))
         if step == 0:
-            expected = unsharded_outputs(kind, seed, kjt)
+            expected = unsharded_outputs(kind, seed, host_kjt)
             with torch.no_grad():
                 first = max(float((outputs[f].cpu() - expected[f]).abs().max()) for f in FEATURES)
         loss_of(outputs).backward()
