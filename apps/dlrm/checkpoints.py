@@ -4,8 +4,13 @@ with, and the tier files a run directory holds.
 A run directory is always either resumable or restartable: a run that stopped before its first
 finished checkpoint starts over in place (its tier files and unfinished checkpoints go), a
 damaged latest checkpoint gives way to the previous finished one, and a missing tier file is
-rebuilt from the checkpoint, which holds every row. Checkpoints hold full copies of the rows, so
+rebuilt from the checkpoint, which holds every row. Checkpoints hold copies of the rows, so
 their files are private (0600, directories 0700) whatever the umask, as the tier files are.
+
+A checkpoint is full (every tensor) or incremental: the rows of tiered tables that training
+changed since the checkpoint before it (its parent, named in its ``DONE`` record), every other
+tensor whole. Loading an incremental one loads its chain: the full checkpoint it builds on,
+then each increment in order (``torchrec_mtrains.distributed.incremental``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -35,6 +42,12 @@ from torchrec.optim.keyed import CombinedOptimizer
 from apps.dlrm.errors import CheckpointError, ConfigError, RunDirError
 from apps.dlrm.model import tier_mounts, tier_root
 from torchrec_mtrains.distributed import TieredParameterSharding
+from torchrec_mtrains.distributed.incremental import (
+    changed_state_dict,
+    clear_changes,
+    load_changed_state,
+)
+from torchrec_mtrains.pipeline.stats import tiered_groups
 from torchrec_mtrains.types import Tier
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -160,6 +173,50 @@ def last_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return found[0] if found else None
 
 
+def _parent_of(path: Path) -> str | None:
+    """The name of the checkpoint ``path`` builds on (None for a full one)."""
+    try:
+        record = json.loads((path / DONE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path / DONE_FILE} is unreadable ({e!r}): delete that checkpoint to resume from an "
+            "earlier one"
+        ) from None
+    parent = record.get("parent") if isinstance(record, dict) else None
+    return str(parent) if parent else None
+
+
+def checkpoint_chain(path: Path) -> list[Path]:
+    """The checkpoints that together hold the state saved at ``path``, oldest first: ``path``
+    alone when it is full, else the full checkpoint it builds on and every increment up to it.
+
+    Raises:
+        CheckpointError: a checkpoint of the chain is missing or unfinished, naming it.
+    """
+    chain = [path]
+    while (parent := _parent_of(chain[-1])) is not None:
+        base = path.parent / parent
+        if not (base / DONE_FILE).is_file() or base in chain:
+            raise CheckpointError(
+                f"checkpoint {path} holds the rows changed since {base}, which is missing or "
+                "unfinished: it cannot be loaded without it"
+            )
+        chain.append(base)
+    return chain[::-1]
+
+
+def next_parent(last: Path | None, full_every: int) -> Path | None:
+    """What the next checkpoint builds on: ``last`` (the newest saved or loaded checkpoint),
+    or None for a full checkpoint. Every ``full_every``-th checkpoint of a chain is full, so a
+    resume loads at most ``full_every`` checkpoints; ``full_every=1`` makes every one full."""
+    if last is None or full_every <= 1:
+        return None
+    try:
+        return last if len(checkpoint_chain(last)) < full_every else None
+    except CheckpointError:
+        return None
+
+
 def _unfinished_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(
         p
@@ -216,12 +273,15 @@ def save_checkpoint(
     step: int,
     position: Position | None = None,
     keep: int | None = None,
+    parent: Path | None = None,
 ) -> Path:
     """Saves model and optimizer with torch.distributed.checkpoint; tiered tables stream from
-    their tiers chunk by chunk. A ``DONE`` file marks the checkpoint complete and records the
-    data ``position`` a resumed run continues from (default: ``step`` batches into epoch 0).
-    Files are 0600 and directories 0700 whatever the umask. Once it is complete, finished
-    checkpoints beyond the newest ``keep`` are deleted (``None``: all are kept).
+    their tiers chunk by chunk. With a ``parent`` checkpoint, tiered tables write only the rows
+    changed since it (the model's tiered groups must track changes). A ``DONE`` file marks the
+    checkpoint complete and records the data ``position`` a resumed run continues from
+    (default: ``step`` batches into epoch 0) and the parent. Files are 0600 and directories
+    0700 whatever the umask. Once it is complete, finished checkpoints beyond the newest
+    ``keep`` are deleted (``None``: all are kept), except those a kept one builds on.
 
     Raises:
         CheckpointError: naming the checkpoint directory and the cause (a full disk said as
@@ -233,11 +293,15 @@ def save_checkpoint(
         if path.exists():  # an unfinished one from a run that stopped here: never mixed in
             shutil.rmtree(path)
     dist.barrier()
+    groups = tiered_groups(model)
+    changed_rows = None
     try:
-        dcp_save(
-            {"model": model.state_dict(), "optim": optimizer.state_dict()},
-            storage_writer=_writer(path),
-        )
+        state: dict[str, Any] = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        planner: SavePlanner = DefaultSavePlanner()
+        if parent is not None:
+            changed = changed_state_dict(state, groups)
+            state, planner, changed_rows = changed.state, changed.planner, changed.rows
+        dcp_save(state, storage_writer=_writer(path), planner=planner)
     except (Exception, CheckpointException) as e:
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -253,14 +317,46 @@ def save_checkpoint(
             f"removed; {how_to_continue(run_dir)}."
         ) from None
     dist.barrier()
+    clear_changes(groups)  # the tiers and this checkpoint now agree
     if dist.get_rank() == 0:
         epoch, batch = position or Position(0, step)
-        write_private(path / DONE_FILE, json.dumps({"step": step, "epoch": epoch, "batch": batch}))
+        record: dict[str, Any] = {"step": step, "epoch": epoch, "batch": batch}
+        if parent is not None:
+            record["parent"] = parent.name
+        write_private(path / DONE_FILE, json.dumps(record))
         if keep is not None:
-            for _, old in finished_checkpoints(run_dir)[keep:]:
-                shutil.rmtree(old)
+            _drop_old(run_dir, keep)
     dist.barrier()
+    if dist.get_rank() == 0:
+        logger.info(
+            "checkpoint %s: %s, %.1f MB",
+            path,
+            "full"
+            if parent is None
+            else f"rows changed since {parent.name} ({changed_rows:,} on rank 0)",
+            checkpoint_bytes(path) / 1e6,
+        )
     return path
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The size of one checkpoint's files (not of the checkpoints it builds on)."""
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _drop_old(run_dir: Path, keep: int) -> None:
+    """Deletes finished checkpoints beyond the newest ``keep``, except those a kept one builds
+    on (an incremental checkpoint needs its whole chain)."""
+    finished = finished_checkpoints(run_dir)
+    needed: set[Path] = set()
+    for _, path in finished[:keep]:
+        try:
+            needed.update(checkpoint_chain(path))
+        except CheckpointError:
+            needed.add(path)
+    for _, path in finished[keep:]:
+        if path not in needed:
+            shutil.rmtree(path)
 
 
 def _free(directory: Path) -> str:
@@ -296,13 +392,22 @@ def checkpoint_position(path: Path) -> Position:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint at ``path`` cannot be loaded, found without loading it (its
-    ``DONE`` record, its metadata, every data file present and as long as the metadata says),
-    or None."""
+    """Why the checkpoint at ``path`` cannot be loaded, found without loading it (its chain,
+    and of each checkpoint in it its ``DONE`` record, its metadata, every data file present and
+    as long as the metadata says), or None."""
     try:
         checkpoint_position(path)
+        chain = checkpoint_chain(path)
     except CheckpointError as e:
         return str(e)
+    for member in chain:
+        problem = _files_problem(member)
+        if problem is not None:
+            return problem if member == path else f"it builds on {member}, and {problem}"
+    return None
+
+
+def _files_problem(path: Path) -> str | None:
     metadata = path / ".metadata"
     try:
         with metadata.open("rb") as f:
@@ -352,19 +457,29 @@ def fall_back(path: Path, problem: str, rank: int) -> None:
 def load_checkpoint(
     model: DistributedModelParallel, optimizer: CombinedOptimizer, path: Path
 ) -> None:
-    """Loads ``path`` into the model and optimizer; the tiered tables' rows are written to
-    their tier files (so a tier file created empty is rebuilt in full).
+    """Loads ``path`` (with the checkpoints it builds on, oldest first) into the model and
+    optimizer; the tiered tables' rows are written to their tier files (so a tier file
+    created empty is rebuilt in full). Training changes are counted from here.
 
     Raises:
         CheckpointError: naming the checkpoint and the cause.
     """
+    chain = checkpoint_chain(path)
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    try:
-        dcp_load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {_first_line(e)}") from e
+    for i, member in enumerate(chain):
+        try:
+            if i == 0:
+                dcp_load(state, checkpoint_id=member)
+            else:  # the tiered rows that changed, over what the checkpoints before it wrote
+                load_changed_state(state, member)
+        except (Exception, CheckpointException) as e:
+            via = f" (which {path} builds on)" if member != path else ""
+            raise CheckpointError(
+                f"checkpoint {member}{via} could not be loaded: {_first_line(e)}"
+            ) from e
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
+    clear_changes(tiered_groups(model))
 
 
 def load_newest(

@@ -63,6 +63,7 @@ class RunConfig:
     checkpoint_every: int = MISSING
     final_checkpoint: bool = MISSING
     keep_checkpoints: int | None = MISSING
+    full_checkpoint_every: int = MISSING
     resume: bool = MISSING
     replan: bool = MISSING
     progress: bool = MISSING

@@ -44,11 +44,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from apps.dlrm.checkpoints import (
     PLAN_FILE,
     Position,
+    checkpoint_bytes,
     checkpoint_position,
     drop_old_tier_files,
     how_to_continue,
     last_checkpoint,
     load_newest,
+    next_parent,
     plan_changes,
     plan_record,
     planned_world_size,
@@ -75,6 +77,7 @@ from apps.dlrm.report import (
     summary,
 )
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
+from torchrec_mtrains.distributed.incremental import track_changes
 from torchrec_mtrains.distributed.runtime import (
     failing_together,
     format_duration,
@@ -487,6 +490,7 @@ def _train(
     schedule = Schedule.from_config(cfg)
     eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
     keep = _count_option(cfg, "run.keep_checkpoints", minimum=1, default=None)
+    full_every = _count_option(cfg, "run.full_checkpoint_every", minimum=1, default=1) or 1
     phases: dict[str, float] = {}
     warned: list[str] = []
     t0 = time.perf_counter()
@@ -589,6 +593,8 @@ def _train(
     losses: list[float] = []
     samples = 0  # this rank's
     groups = tiered_groups(model)
+    if full_every > 1:
+        track_changes(groups)  # incremental checkpoints write only the rows training changed
     io_before = snapshot(groups)
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
@@ -603,6 +609,22 @@ def _train(
         step_fn = _pipelined_step(pipeline, stream)
     running = pipeline if pipeline is not None else contextlib.nullcontext()
     step, saved = start_step, last
+    saves: list[dict[str, Any]] = []
+
+    def checkpoint(full: bool = False) -> tuple[int, Path]:
+        """Saves at ``step``: incremental on the last saved or loaded checkpoint when due."""
+        parent = None if full else next_parent(saved[1] if saved else None, full_every)
+        started = time.perf_counter()
+        path = save_checkpoint(model, optimizer, run_dir, step, position, keep, parent)
+        saves.append(
+            {
+                "step": step,
+                "parent": parent.name if parent is not None else None,
+                "seconds": time.perf_counter() - started,
+                "bytes": checkpoint_bytes(path) if rank == 0 else None,
+            }
+        )
+        return step, path
 
     def report() -> dict[str, str]:
         """A collective: the window's numbers to the history, TensorBoard and progress."""
@@ -629,7 +651,8 @@ def _train(
                 window.add(loss, logits, labels)
                 progress.update(report() if step % log_every == 0 else None)
                 if ckpt_every and step % ckpt_every == 0:
-                    saved = (step, save_checkpoint(model, optimizer, run_dir, step, position, keep))
+                    # The last step's checkpoint is the run's final one: always full.
+                    saved = checkpoint(full=step == schedule.steps and cfg.run.final_checkpoint)
             if window.steps:
                 progress.show(report())  # the last steps, short of a whole window
         progress.close()
@@ -648,10 +671,13 @@ def _train(
             # The tiers hold the trained rows, but only a finished checkpoint can be resumed from.
             found = last_checkpoint(run_dir)
             ckpt = found[1] if found is not None else None
-        elif saved is not None and saved[0] == step:
+        elif saved is not None and saved[0] == step and not (saves and saves[-1]["parent"]):
             ckpt = saved[1]  # nothing new to save
         else:
-            ckpt = save_checkpoint(model, optimizer, run_dir, step, position, keep)
+            # Full, so that it loads alone (an export any dcp user can read); an incremental
+            # one of the same step is replaced.
+            saved = checkpoint(full=True)
+            ckpt = saved[1]
         phases["checkpoint"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         result: EvalResult | None = None
@@ -689,6 +715,7 @@ def _train(
         "tables": stats,
         "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
         "checkpoint": str(ckpt) if ckpt is not None else None,
+        "checkpoints_saved": saves,
         "run_dir": str(run_dir),
         "warnings": warned,
     }

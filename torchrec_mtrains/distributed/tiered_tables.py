@@ -245,6 +245,9 @@ class TieredTableGroup:
         self._io_failed = False
         # Set once such a failure has reached the caller: no batch may run on the cache after it.
         self._io_error_reported = False
+        # Per shard, which rows a training batch made resident since the last
+        # clear_changes() (None: not tracked). See track_changes().
+        self._changed: list[torch.Tensor] | None = None
 
     # --------------------------------------------------------------------------- per batch
 
@@ -383,6 +386,9 @@ class TieredTableGroup:
             with self._cache_lock:
                 for shard, plan in zip(self.shards, batch.plans):
                     shard.cache.mark_dirty(plan.slots)
+            if self._changed is not None:
+                for changed, ids in zip(self._changed, batch.table_ids):
+                    changed[ids] = True
         out_segments: list[torch.Tensor] = list(batch.segments)
         for plan, inverse, features in zip(batch.plans, batch.inverses, batch.per_table):
             slots = plan.slots[inverse]
@@ -590,6 +596,29 @@ class TieredTableGroup:
                 # The running batch's backward has yet to update its rows.
                 shard.cache.mark_dirty(self._in_flight.plans[i].slots)
             shard.store.flush()
+
+    # ------------------------------------------------------------ rows changed by training
+
+    def track_changes(self) -> None:
+        """Starts recording which rows training changes (every row a training batch makes
+        resident), for checkpoints that write only those (see ``distributed.incremental``).
+        Costs one byte per row of this rank's shards, so it is off until asked for."""
+        if self._changed is None:
+            self._changed = [
+                torch.zeros(shard.local_rows, dtype=torch.bool, device=HOST)
+                for shard in self.shards
+            ]
+
+    def changed_rows(self, index: int) -> torch.Tensor | None:
+        """Which local rows of shard ``index`` training changed since :meth:`clear_changes`, as
+        a boolean mask over the shard's rows (``None`` when changes are not tracked)."""
+        return None if self._changed is None else self._changed[index]
+
+    def clear_changes(self) -> None:
+        """Marks every row unchanged: the tiers (after a flush) and the latest checkpoint agree."""
+        if self._changed is not None:
+            for changed in self._changed:
+                changed.zero_()
 
     def persist_view_writes(self, index: int | None = None) -> None:
         """Stores the rows of shard ``index`` (all shards when ``None``) again through the store

@@ -181,13 +181,31 @@ def test_checkpoints_are_private_whatever_the_umask(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
-@pytest.mark.parametrize(("keep", "left"), [("2", [6, 8]), ("null", [2, 4, 6, 8])])
+@pytest.mark.parametrize(
+    ("keep", "full_every", "left"),
+    [
+        ("2", 1, [6, 8]),
+        ("null", 1, [2, 4, 6, 8]),
+        # 2 full, 4 and 6 incremental on it, 8 (the last) full: 6 needs 2 and 4.
+        ("2", 4, [2, 4, 6, 8]),
+        ("1", 4, [8]),
+    ],
+)
 def test_keep_checkpoints_deletes_the_oldest_finished_ones(
-    tmp_path: Path, keep: str, left: list[int]
+    tmp_path: Path, keep: str, full_every: int, left: list[int]
 ) -> None:
+    """Beyond the newest ``keep``, finished checkpoints go, except those a kept one builds on."""
     run_dir = tmp_path / "run"
     overrides = ("data.batch_size=32", "run.eval_batches=0", "run.checkpoint_every=2")
-    main(app_config(run_dir, *overrides, "run.steps=8", f"run.keep_checkpoints={keep}"))
+    main(
+        app_config(
+            run_dir,
+            *overrides,
+            "run.steps=8",
+            f"run.keep_checkpoints={keep}",
+            f"run.full_checkpoint_every={full_every}",
+        )
+    )
     assert sorted(step for step, _ in checkpoints.finished_checkpoints(run_dir)) == left
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         f"step_{step:08d}" for step in left

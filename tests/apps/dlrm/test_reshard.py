@@ -3,6 +3,7 @@ a changed plan at the same world size is refused unless ``run.replan=true``."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def _run(world: int, run_dir: Path, *overrides: str) -> None:
 
 def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
     """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it."""
+    scratch.mkdir(parents=True, exist_ok=True)
     flat = scratch / f"{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, flat)
     model = torch.load(flat, weights_only=False)["model"]
@@ -78,3 +80,24 @@ def test_a_changed_plan_at_the_same_world_size_needs_replan(tmp_path: Path) -> N
     _run(1, run_dir, "run.steps=3", "run.resume=true", moved, "run.replan=true")
     assert max(step for step, _ in finished_checkpoints(run_dir)) == 3
     assert not list(run_dir.glob("tiers/block_scm/*/*.rows"))  # the old plan's files are gone
+
+
+@pytest.mark.slow
+def test_an_incremental_chain_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """Checkpoints 2 (full), 4 and 6 (the rows changed since the one before) of a two-rank
+    run load at one rank: its weights are those of an uninterrupted run's full checkpoint at 6."""
+    chained, reference = tmp_path / "chained", tmp_path / "reference"
+    every = ("run.checkpoint_every=2", "run.steps=6")
+    _run(2, chained, *every, "run.full_checkpoint_every=4", "run.final_checkpoint=false")
+    parents = {
+        step: json.loads((path / "DONE").read_text()).get("parent")
+        for step, path in finished_checkpoints(chained)
+    }
+    assert parents == {2: None, 4: "step_00000002", 6: "step_00000004"}
+    _run(2, reference, *every, "run.full_checkpoint_every=1")
+    _run(1, chained, "run.steps=7", "run.resume=true", "run.learning_rate=0")
+    expected = _weights(reference / "checkpoints" / "step_00000006", tmp_path / "a")
+    restored = _weights(chained / "checkpoints" / "step_00000007", tmp_path / "b")
+    assert len(expected) == 26 and expected.keys() == restored.keys()
+    for name, weight in expected.items():
+        assert torch.equal(weight, restored[name]), name
