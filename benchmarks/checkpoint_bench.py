@@ -1,0 +1,166 @@
+"""Incremental against full checkpoints on W2, and a resume that rebuilds every tier from them.
+
+One W2 run (``w2_bench.py``: 12.2 GiB of tables on the block tier, 4 GiB memory cap) trains
+``2 x --every`` steps with a checkpoint every ``--every`` steps: the first is a full copy of
+every table (what every checkpoint was before incremental ones), the second holds only the rows
+of tiered tables changed over the ``--every`` steps since (plus every non-tiered tensor). Both
+are timed and sized in the same run.
+
+Then exactness at that scale: the tier files (every row's weights and optimizer state) are
+hashed, deleted, and the run is resumed from its newest checkpoint, which loads the chain (the
+full checkpoint, then the increment) and rebuilds every tier file; the rebuilt files must hash
+the same, file by file.
+
+Example::
+
+    python benchmarks/checkpoint_bench.py --out results/checkpoint_w2.json    # ~10 min here
+    python benchmarks/checkpoint_bench.py --smoke --out /tmp/ckpt_smoke.json  # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import w2_bench
+from _common import cgroup_support, machine_info, write_json
+
+from torchrec_mtrains.planner import parse_size
+
+CHANGED = re.compile(r"checkpoint \S+/(step_\d+): rows changed since \S+ \(([\d,]+) on rank 0\)")
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    """SHA-256 of every tier file under ``root``, by path relative to it."""
+    out = {}
+    for path in sorted(root.rglob("*.rows")):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(16 * 2**20):
+                digest.update(block)
+        out[str(path.relative_to(root))] = digest.hexdigest()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--every", type=int, default=300, help="steps between checkpoints")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--smoke", action="store_true", help="tiny tables, a few steps")
+    args = parser.parse_args(argv)
+    every = min(args.every, 3) if args.smoke else args.every
+    train_overrides = [
+        f"run.checkpoint_every={every}",
+        "run.final_checkpoint=false",  # the checkpoint at the last step is the increment
+        "run.full_checkpoint_every=4",
+        "run.eval_batches=0",
+    ]
+    w2_args = [
+        "--out",
+        str(args.out.with_suffix(".w2.json")),
+        "--steps",
+        str(2 * every),
+        "--dir",
+        str(args.dir),
+        "--keep",
+        *(["--smoke"] if args.smoke else []),
+        *train_overrides,
+    ]
+    trained = w2_bench.main(w2_args)
+    metrics = trained["metrics"]
+    if trained["app"]["returncode"] != 0 or metrics is None:
+        raise SystemExit("the W2 run failed: see its log above")
+    run_dir = Path(metrics["run_dir"])
+    work = run_dir.parent
+    log = (work / "app.log").read_text(errors="replace")
+    changed = {name: int(rows.replace(",", "")) for name, rows in CHANGED.findall(log)}
+    full, incremental = metrics["checkpoints_saved"]
+    assert full["parent"] is None and incremental["parent"] is not None, metrics
+    result: dict[str, Any] = {
+        "w2": {k: trained[k] for k in ("model", "table_bytes", "num_rows", "cap_bytes")},
+        "command": trained["command"],
+        "steps_between": every,
+        "full": full,
+        "incremental": {
+            **incremental,
+            "changed_rows": changed.get(f"step_{incremental['step']:08d}"),
+        },
+        "bytes_ratio_full_over_incremental": full["bytes"] / incremental["bytes"],
+        "seconds_ratio_full_over_incremental": full["seconds"] / incremental["seconds"],
+        "train_samples_per_s": metrics["samples_per_s"],
+    }
+    try:
+        # Exactness: every tier file rebuilt from the chain (full + increment) is the same.
+        tiers = run_dir / "tiers"
+        before = file_hashes(tiers)
+        for path in tiers.rglob("*.rows"):
+            path.unlink()
+        resume = [*trained["command"].split(), "run.resume=true"]
+        cmd = [sys.executable, *resume]
+        print("$ python " + " ".join(cmd[1:]), flush=True)
+        support = cgroup_support()
+        cap = parse_size("2GiB" if args.smoke else "4GiB")
+        resumed = w2_bench.run_capped(cmd, cap, work / "resume.log", support.ok, support)
+        resume_log = (work / "resume.log").read_text(errors="replace")
+        print(resume_log[-3000:], flush=True)
+        after = file_hashes(tiers)
+        same = sum(1 for k, v in before.items() if after.get(k) == v)
+        result["resume"] = {
+            "returncode": resumed["returncode"],
+            "wall_s": resumed["wall_s"],
+            "cgroup_peak_bytes": resumed.get("cgroup_peak_bytes"),
+            "restore_s": json.loads((run_dir / "metrics.json").read_text())["seconds"].get(
+                "restore"
+            ),
+            "tier_files": len(before),
+            "tier_files_identical": same,
+            "exact": same == len(before) and after.keys() == before.keys(),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["machine"] = machine_info()
+    print_summary(result)
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return result
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    full, inc = result["full"], result["incremental"]
+    print(f"\n=== checkpoints of W2 ({result['w2']['table_bytes'] / 2**30:.1f} GiB of tables) ===")
+    print(
+        f"full (step {full['step']}):         {full['bytes'] / 1e9:8.3f} GB  {full['seconds']:7.1f} s"
+    )
+    rows = inc.get("changed_rows")
+    print(
+        f"incremental (step {inc['step']}):  {inc['bytes'] / 1e9:8.3f} GB  {inc['seconds']:7.1f} s"
+        f"  ({rows:,} changed rows over {result['steps_between']} steps)"
+        if rows is not None
+        else ""
+    )
+    print(
+        f"full / incremental: {result['bytes_ratio_full_over_incremental']:.1f}x bytes, "
+        f"{result['seconds_ratio_full_over_incremental']:.1f}x time"
+    )
+    resume = result.get("resume")
+    if resume:
+        print(
+            f"resume from the chain, tier files deleted: exit {resume['returncode']}, restore "
+            f"{resume['restore_s']} s, {resume['tier_files_identical']}/{resume['tier_files']} "
+            f"tier files rebuilt bit for bit -> {'EXACT' if resume['exact'] else 'DIFFERENT'}"
+        )
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main(sys.argv[1:])
