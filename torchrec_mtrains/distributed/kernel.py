@@ -131,7 +131,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
-        self._tiers.persist_view_writes()
+        self._tiers.views.persist_writes()
         self._tiers.reload_cached_states()
 
 
@@ -170,10 +170,10 @@ class _TieredKernelMixin:
         # The fused optimizer exposes the tables' state as it lives on the tiers (fbgemm's own
         # state tensors only hold the cached rows). Learning rate and step go to the module.
         n = len(self.tiers.shards)
-        weights, registry = alias_registry([self.tiers.weight_view(i) for i in range(n)])
+        weights, registry = alias_registry([self.tiers.views.weight_view(i) for i in range(n)])
         states: list[dict[str, torch.Tensor]] = []
         for i in range(n):
-            views = self.tiers.state_views(i)
+            views = self.tiers.views.state_views(i)
             aliases, more = alias_registry(list(views.values()))
             registry.update(more)
             states.append(dict(zip(views.keys(), aliases)))
@@ -246,10 +246,10 @@ class _TieredKernelMixin:
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for i, shard in enumerate(self.tiers.shards):
-            yield f"{prefix}{shard.name}.weight", self.tiers.weight_view(i)
+            yield f"{prefix}{shard.name}.weight", self.tiers.views.weight_view(i)
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
-        return [self.tiers.weight_view(i) for i in range(len(self.tiers.shards))]
+        return [self.tiers.views.weight_view(i) for i in range(len(self.tiers.shards))]
 
     def named_parameters_by_table(self) -> Iterator[tuple[str, Any]]:
         # Tiered tables register their (tier-backed) state themselves; see the sharded modules.

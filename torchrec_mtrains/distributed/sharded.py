@@ -417,7 +417,7 @@ class _TieredShardedMixin:
         configs = self._config_by_name()
         for name in self._tiered_table_names():
             local = [
-                Shard(group.weight_view(i), _local_metadata(shard))
+                Shard(group.views.weight_view(i), _local_metadata(shard))
                 for group, i, shard in self._tiered_shards(name)
             ]
             spec = self.module_sharding_plan[name].sharding_spec
@@ -494,7 +494,7 @@ class _TieredShardedMixin:
                 else:
                     raise TypeError(f"state_dict[{key!r}]: unexpected type {type(value).__name__}")
             for group, i, _ in self._tiered_shards(name):
-                group.persist_view_writes(i)
+                group.views.persist_writes(i)
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cache and tier counters per tiered table shard on this rank."""

@@ -14,26 +14,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
-from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
+from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
+from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 FLUSH_CHUNK_ROWS = 16384  # rows per call when flush() or a reload moves a whole cache
-# Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
-# CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
-HOST = torch.device("cpu")
 
 
 class TableIdError(IndexError):
@@ -82,42 +79,6 @@ class TieredTableShard:
         out["pinned_rows"] = float(int(self.cache.pinned.sum()))
         out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
         return out
-
-
-@dataclass
-class TierIOCounters:
-    """How much a tiered kernel waited for and moved rows: what the look-ahead pipeline reports
-    per step (take the difference of two snapshots). Cumulative since the group was built.
-
-    Attributes:
-        stall_seconds: time the training thread was blocked on tier I/O: waiting in a forward
-            for its batch's rows, or moving rows itself when I/O is not in the background. The
-            time look-ahead exists to remove.
-        io_seconds: time spent moving rows (write-backs, then reads), on whichever thread did
-            it; with background I/O most of it overlaps training.
-        rows_fetched: rows planned to be read from the tiers into the cache for batches.
-        rows_written_back: dirty evicted rows planned to be written to the tiers.
-        prefetched_batches: forwards that found their batch already prefetched.
-        unprefetched_batches: forwards that had to plan (and, without background I/O, read)
-            their rows themselves.
-    """
-
-    stall_seconds: float = 0.0
-    io_seconds: float = 0.0
-    rows_fetched: int = 0
-    rows_written_back: int = 0
-    prefetched_batches: int = 0
-    unprefetched_batches: int = 0
-
-    def __add__(self, other: TierIOCounters) -> TierIOCounters:
-        return TierIOCounters(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
-
-    def __sub__(self, other: TierIOCounters) -> TierIOCounters:
-        return TierIOCounters(
-            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
-        )
 
 
 @dataclass
@@ -222,29 +183,19 @@ class TieredTableGroup:
                 )
             )
         self.device = weight_slots[0].device if weight_slots else HOST
-        self._copies = RowCopyStreams(self.device)
+        self.io = TierIOWorker(self.device)
+        self.views = TierViews(self.shards, storage.checkpoint_chunk_rows)
         # The event of the last slot release on the training stream (CUDA): copies that reuse
         # released slots wait for it.
         self._released: torch.cuda.Event | None = None
-        self._mapped: dict[int, np.ndarray[Any, Any]] = {}
         self._pending: deque[_PlannedBatch] = deque()
         self._in_flight: _PlannedBatch | None = None
         self._awaiting_backward = False
-        self._background_io = False
-        self._executor: ThreadPoolExecutor | None = None
         self._hot_rows: dict[int, torch.Tensor] = {}
         self._repin = False
-        # Written by the I/O worker and read by the training thread.
-        self._counters = TierIOCounters()
-        self._counters_lock = threading.Lock()
         # Guards the caches' maps and holds: batches are planned on the I/O worker while the
         # training thread releases and marks the running batch's slots.
         self._cache_lock = threading.Lock()
-        # Set (by whichever thread ran it) when a row move raised: the cache may then map rows
-        # whose read never happened, until stop_background_io() empties it.
-        self._io_failed = False
-        # Set once such a failure has reached the caller: no batch may run on the cache after it.
-        self._io_error_reported = False
         # Per shard, which rows a training batch made resident since the last
         # clear_changes() (None: not tracked). See track_changes().
         self._changed: list[torch.Tensor] | None = None
@@ -284,8 +235,8 @@ class TieredTableGroup:
         self._check_no_reported_error()
         segments, per_table, table_ids = self._split(values, lengths_per_feature)
         batch = _PlannedBatch(values, list(lengths_per_feature), segments, per_table, table_ids)
-        if self._background_io:
-            batch.io = self._worker().submit(self._plan_and_move, batch)
+        if self.io.background:
+            batch.io = self.io.submit(self._plan_and_move, batch)
             return batch
         self._plan(batch)  # a batch that cannot fit raises here, before anything moves
         started = time.perf_counter()
@@ -293,10 +244,10 @@ class TieredTableGroup:
             self._move_batch_rows(batch)
         except BaseException as e:
             self._release(batch)  # its rows never arrived: the batch does not run
-            self._io_error_reported |= isinstance(e, Exception)
+            self.io.error_reported |= isinstance(e, Exception)
             raise
         finally:
-            self._add_stall(time.perf_counter() - started)
+            self.io.count(stall_seconds=time.perf_counter() - started)
         return batch
 
     def _plan(self, batch: _PlannedBatch) -> None:
@@ -317,9 +268,10 @@ class TieredTableGroup:
             batch.after_release = self._released
         batch.inverses = [inverse for _, inverse in uniques]
         batch.plans = plans
-        with self._counters_lock:
-            self._counters.rows_fetched += sum(int(p.load_ids.numel()) for p in plans)
-            self._counters.rows_written_back += sum(int(p.evict_dirty.sum()) for p in plans)
+        self.io.count(
+            rows_fetched=sum(int(p.load_ids.numel()) for p in plans),
+            rows_written_back=sum(int(p.evict_dirty.sum()) for p in plans),
+        )
 
     def _plan_and_move(self, batch: _PlannedBatch) -> None:
         """The worker's part of a prefetch: plan, then write back and read (in FIFO order with
@@ -328,10 +280,12 @@ class TieredTableGroup:
         self._move_batch_rows(batch)
 
     def _move_batch_rows(self, batch: _PlannedBatch) -> None:
-        batch.rows_ready = self._move_rows(list(zip(self.shards, batch.plans)), batch.after_release)
+        batch.rows_ready = self.io.move_rows(
+            list(zip(self.shards, batch.plans)), batch.after_release
+        )
 
     def _check_no_reported_error(self) -> None:
-        if self._io_error_reported:
+        if self.io.error_reported:
             raise RuntimeError(
                 "an earlier tier I/O failed, so cached rows may be invalid; call "
                 "stop_background_io() (the look-ahead pipeline does on error) before training on"
@@ -362,12 +316,10 @@ class TieredTableGroup:
         # The previous batch's backward is done: its rows may be evicted from here on.
         self._release_in_flight()
         if batch is None:
-            with self._counters_lock:
-                self._counters.unprefetched_batches += 1
+            self.io.count(unprefetched_batches=1)
             batch = self._plan_batch(values, lengths_per_feature)
         else:
-            with self._counters_lock:
-                self._counters.prefetched_batches += 1
+            self.io.count(prefetched_batches=1)
         started = time.perf_counter()
         try:
             self._wait(batch)
@@ -375,11 +327,11 @@ class TieredTableGroup:
             # A worker error or an interrupt: the batch does not run, so its rows are free
             # again (I/O still queued for them finishes first: the worker keeps FIFO order).
             self._release(batch)
-            self._io_error_reported |= isinstance(e, Exception)
+            self.io.error_reported |= isinstance(e, Exception)
             raise
         finally:
-            self._add_stall(time.perf_counter() - started)
-        self._copies.wait(batch.rows_ready)
+            self.io.count(stall_seconds=time.perf_counter() - started)
+        self.io.copies.wait(batch.rows_ready)
         self._in_flight = batch
         self._awaiting_backward = train
         if train:
@@ -419,13 +371,6 @@ class TieredTableGroup:
             return None
         return self._pending.popleft()
 
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix="mtrains-tier-io", initializer=self._copies.enter_worker
-            )
-        return self._executor
-
     @staticmethod
     def _wait(batch: _PlannedBatch) -> None:
         if batch.io is not None:
@@ -440,18 +385,13 @@ class TieredTableGroup:
         if self._in_flight is not None:
             with self._cache_lock:
                 # Enqueued work of that batch (its backward) may still use the slots on the GPU.
-                self._released = self._copies.record()
+                self._released = self.io.copies.record()
             self._release(self._in_flight)
             self._in_flight = None
 
-    def _add_stall(self, seconds: float) -> None:
-        with self._counters_lock:
-            self._counters.stall_seconds += seconds
-
     def io_counters(self) -> TierIOCounters:
         """A snapshot of the group's I/O counters (see :class:`TierIOCounters`)."""
-        with self._counters_lock:
-            return replace(self._counters)
+        return self.io.counters()
 
     def drain(self) -> None:
         """Waits for all queued tier I/O (prefetches stay queued for their batches)."""
@@ -467,17 +407,16 @@ class TieredTableGroup:
 
     @property
     def background_io(self) -> bool:
-        return self._background_io
+        return self.io.background
 
     @background_io.setter
     def background_io(self, enabled: bool) -> None:
         """Runs prefetch I/O on a worker thread (the look-ahead pipeline turns this on);
         turning it off waits for queued I/O and ends the thread."""
         self.drain()
-        self._background_io = enabled
-        if not enabled and self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self.io.background = enabled
+        if not enabled:
+            self.io.shutdown()
 
     def stop_background_io(self) -> BaseException | None:
         """Ends look-ahead whatever state it is in (after an error or an interrupt too).
@@ -499,12 +438,10 @@ class TieredTableGroup:
             except Exception as e:
                 error = error or e
             self._release(batch)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        self._background_io = False
-        if self._io_failed:
-            self._io_failed = self._io_error_reported = False
+        self.io.shutdown()
+        self.io.background = False
+        if self.io.failed:
+            self.io.failed = self.io.error_reported = False
             self._release_in_flight()
             self.flush(keep_in_flight_dirty=False)
             for shard in self.shards:
@@ -513,7 +450,7 @@ class TieredTableGroup:
             logger.warning("tier I/O failed: dirty rows written back, caches emptied")
         # Whatever failed (I/O, or planning a batch that did not fit) is dealt with: the caches
         # hold only rows that arrived, and nothing is held for batches that will not run.
-        self._io_error_reported = False
+        self.io.error_reported = False
         return error
 
     @torch.no_grad()
@@ -522,58 +459,7 @@ class TieredTableGroup:
         returns once the rows are in the cache."""
         with self._cache_lock:
             after = self._released
-        self._copies.synchronize(self._move_rows([(shard, plan)], after))
-
-    @torch.no_grad()
-    def _move_rows(
-        self,
-        pairs: list[tuple[TieredTableShard, CachePlan]],
-        after: torch.cuda.Event | None = None,
-    ) -> torch.cuda.Event | None:
-        """Carries out a batch's plans: every table's write-backs first, then every table's
-        reads, so a failed read never strands another table's evicted dirty rows unwritten.
-
-        On CUDA the copies run on this thread's current stream, after ``after`` (the slot
-        release the plans rely on); returns the event that marks the rows in place."""
-        started = time.perf_counter()
-        self._copies.wait(after)
-        try:
-            for shard, plan in pairs:
-                if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
-                    dirty = plan.evict_dirty
-                    shard.store.write_rows(
-                        plan.evict_ids[dirty].numpy(), self._gather(shard, plan.evict_slots[dirty])
-                    )
-            for shard, plan in pairs:
-                if plan.load_slots.numel():
-                    rows = shard.store.read_rows(plan.load_ids.numpy())
-                    self._scatter(shard, plan.load_slots, torch.from_numpy(rows))
-        except BaseException:
-            self._io_failed = True
-            raise
-        finally:
-            with self._counters_lock:
-                self._counters.io_seconds += time.perf_counter() - started
-        return self._copies.record()
-
-    def _gather(self, shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
-        dev_slots = slots.to(shard.weight_slots.device)
-        parts = [shard.weight_slots.index_select(0, dev_slots)]
-        parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
-        rows = torch.cat([p.to(HOST, torch.float32) for p in parts], dim=1)
-        return rows.numpy()
-
-    def _scatter(self, shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        device = shard.weight_slots.device
-        dev_slots = slots.to(device)
-        rows = rows.to(device)
-        cols = shard.cols
-        shard.weight_slots.index_copy_(0, dev_slots, rows[:, :cols].to(shard.weight_slots.dtype))
-        start = cols
-        for view in shard.state_slots:
-            width = view.shape[1]
-            view.index_copy_(0, dev_slots, rows[:, start : start + width].to(view.dtype))
-            start += width
+        self.io.copies.synchronize(self.io.move_rows([(shard, plan)], after))
 
     # ------------------------------------------------------------------------ whole tables
 
@@ -590,7 +476,7 @@ class TieredTableGroup:
             # the flush at the end of a run must fit the memory training fitted in.
             for start in range(0, int(ids.numel()), FLUSH_CHUNK_ROWS):
                 part = slice(start, start + FLUSH_CHUNK_ROWS)
-                shard.store.write_rows(ids[part].numpy(), self._gather(shard, slots[part]))
+                shard.store.write_rows(ids[part].numpy(), self.io.gather(shard, slots[part]))
                 shard.cache.mark_clean(slots[part])
             if keep_in_flight_dirty and self._in_flight is not None and self._awaiting_backward:
                 # The running batch's backward has yet to update its rows.
@@ -619,22 +505,6 @@ class TieredTableGroup:
         if self._changed is not None:
             for changed in self._changed:
                 changed.zero_()
-
-    def persist_view_writes(self, index: int | None = None) -> None:
-        """Stores the rows of shard ``index`` (all shards when ``None``) again through the store
-        API, chunk by chunk, after a checkpoint load wrote them through the mapped views.
-
-        Writes through a tier's ``mapped_rows()`` bypass its bookkeeping; the dram tier, whose
-        view is its in-memory copy, would never write them to its file. (A block tier's view
-        maps the file itself, so it needs nothing.)"""
-        chunk = self.storage.checkpoint_chunk_rows
-        for shard in self.shards if index is None else [self.shards[index]]:
-            store = shard.store
-            mapped = store.mapped_rows()
-            if mapped is None:
-                continue
-            for start in range(0, store.layout.num_rows, chunk):
-                store.write_range(start, mapped[start : start + chunk])
 
     @torch.no_grad()
     def reload_cached_states(self) -> None:
@@ -688,44 +558,6 @@ class TieredTableGroup:
             shard.store.write_range(start, rows.numpy())
         shard.store.flush()
 
-    def mapped_rows(self, index: int) -> torch.Tensor:
-        """The shard's rows on its tier as a ``(rows, row_width)`` tensor viewing the file (or
-        the tier's memory), without copying. Views reflect the tier, so call :meth:`flush`
-        first for current values."""
-        if index not in self._mapped:
-            store = self.shards[index].store
-            # Block tiers have no byte-addressable copy (mapped_rows() is None): map the file.
-            array = store.mapped_rows()
-            if array is None:
-                store.flush()
-                layout = store.layout
-                array = np.memmap(
-                    store.path,
-                    dtype=layout.dtype.numpy_dtype,
-                    mode="r+",
-                    offset=store.data_offset,
-                    shape=(layout.num_rows, layout.row_width),
-                )
-            self._mapped[index] = array
-        return torch.from_numpy(self._mapped[index])
-
-    def weight_view(self, index: int) -> torch.Tensor:
-        shard = self.shards[index]
-        return self.mapped_rows(index)[:, : shard.cols]
-
-    def state_views(self, index: int) -> dict[str, torch.Tensor]:
-        """Optimizer states on the tier, shaped as fbgemm's ``get_optimizer_state()`` would."""
-        shard = self.shards[index]
-        rows = self.mapped_rows(index)
-        out: dict[str, torch.Tensor] = {}
-        start = shard.cols
-        for key, view, shape in zip(shard.state_keys, shard.state_slots, shard.state_shapes):
-            width = view.shape[1]
-            part = rows[:, start : start + width]
-            out[key] = part.reshape(shard.local_rows, *shape) if shape else part[:, 0]
-            start += width
-        return out
-
     def pin_hot_rows(self, index: int, local_ids: torch.Tensor) -> None:
         """Loads the rows ``local_ids`` of shard ``index`` and keeps them resident for good
         (FAE's hot set, from an access profile). They still count in hits, and are written
@@ -752,20 +584,18 @@ class TieredTableGroup:
         with self._cache_lock:
             shard.cache.check_fits(ids)
             plan = shard.cache.plan(ids, count_stats=False)
-        if inline or not self._background_io:
+        if inline or not self.io.background:
             self.apply(shard, plan)
         else:
-            self._worker().submit(self.apply, shard, plan).result()
+            self.io.submit(self.apply, shard, plan).result()
         with self._cache_lock:
             shard.cache.pin(plan.slots)
 
     def close(self) -> None:
         self.cancel_prefetches()
         self._release_in_flight()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        self._mapped.clear()
+        self.io.shutdown()
+        self.views.close()
         for shard in self.shards:
             shard.store.close()
 

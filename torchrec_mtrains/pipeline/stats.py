@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 from torch import nn
 
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, TierIOCounters
+from torchrec_mtrains.distributed.tier_io import TierIOCounters
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,173 @@
+"""The tier I/O of one tiered kernel: the worker thread that moves rows between the cache and
+the tiers, the row copies themselves, and the counters the look-ahead pipeline reports.
+
+Planning which rows move is the cache's business (:class:`TieredTableGroup`); this class only
+carries plans out, on the caller's thread or on its one worker thread, in submission order, so
+a row written back is on its tier before any later read of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+
+from torchrec_mtrains.cache.table_cache import CachePlan
+from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
+
+if TYPE_CHECKING:
+    from torchrec_mtrains.distributed.tiered_tables import TieredTableShard
+
+# Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
+# CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
+HOST = torch.device("cpu")
+_T = TypeVar("_T")
+
+
+@dataclass
+class TierIOCounters:
+    """How much a tiered kernel waited for and moved rows: what the look-ahead pipeline reports
+    per step (take the difference of two snapshots). Cumulative since the group was built.
+
+    Attributes:
+        stall_seconds: time the training thread was blocked on tier I/O: waiting in a forward
+            for its batch's rows, or moving rows itself when I/O is not in the background. The
+            time look-ahead exists to remove.
+        io_seconds: time spent moving rows (write-backs, then reads), on whichever thread did
+            it; with background I/O most of it overlaps training.
+        rows_fetched: rows planned to be read from the tiers into the cache for batches.
+        rows_written_back: dirty evicted rows planned to be written to the tiers.
+        prefetched_batches: forwards that found their batch already prefetched.
+        unprefetched_batches: forwards that had to plan (and, without background I/O, read)
+            their rows themselves.
+    """
+
+    stall_seconds: float = 0.0
+    io_seconds: float = 0.0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    prefetched_batches: int = 0
+    unprefetched_batches: int = 0
+
+    def __add__(self, other: TierIOCounters) -> TierIOCounters:
+        return TierIOCounters(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def __sub__(self, other: TierIOCounters) -> TierIOCounters:
+        return TierIOCounters(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
+
+
+class TierIOWorker:
+    """Moves rows for the caches of one kernel whose rows live on ``device``.
+
+    Attributes:
+        copies: the copy stream and events that order row copies against training (CUDA).
+        background: whether batches are planned and moved on the worker thread (look-ahead).
+        failed: a row move raised: the cache may map rows whose read never happened, until the
+            group empties it (``stop_background_io``).
+        error_reported: such a failure has reached the caller: no batch may run on the cache.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.copies = RowCopyStreams(device)
+        self.background = False
+        self.failed = False
+        self.error_reported = False
+        self._executor: ThreadPoolExecutor | None = None
+        # Written by the worker and read by the training thread.
+        self._counters = TierIOCounters()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------ the thread
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Runs ``fn(*args)`` on the worker thread, after everything submitted before it."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="mtrains-tier-io", initializer=self.copies.enter_worker
+            )
+        return self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        """Waits for submitted work and ends the thread (a later submit starts a new one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ---------------------------------------------------------------------- the counters
+
+    def count(self, **deltas: float) -> None:
+        """Adds ``deltas`` to the named counters."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def counters(self) -> TierIOCounters:
+        """A snapshot of the counters."""
+        with self._lock:
+            return replace(self._counters)
+
+    # ---------------------------------------------------------------------- moving rows
+
+    @torch.no_grad()
+    def move_rows(
+        self,
+        pairs: list[tuple[TieredTableShard, CachePlan]],
+        after: torch.cuda.Event | None = None,
+    ) -> torch.cuda.Event | None:
+        """Carries out a batch's plans: every table's write-backs first, then every table's
+        reads, so a failed read never strands another table's evicted dirty rows unwritten.
+
+        On CUDA the copies run on this thread's current stream, after ``after`` (the slot
+        release the plans rely on); returns the event that marks the rows in place."""
+        started = time.perf_counter()
+        self.copies.wait(after)
+        try:
+            for shard, plan in pairs:
+                if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
+                    dirty = plan.evict_dirty
+                    shard.store.write_rows(
+                        plan.evict_ids[dirty].numpy(), self.gather(shard, plan.evict_slots[dirty])
+                    )
+            for shard, plan in pairs:
+                if plan.load_slots.numel():
+                    rows = shard.store.read_rows(plan.load_ids.numpy())
+                    self.scatter(shard, plan.load_slots, torch.from_numpy(rows))
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.count(io_seconds=time.perf_counter() - started)
+        return self.copies.record()
+
+    @staticmethod
+    def gather(shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
+        """The cached rows in ``slots`` as tier rows: weights, then each optimizer state."""
+        dev_slots = slots.to(shard.weight_slots.device)
+        parts = [shard.weight_slots.index_select(0, dev_slots)]
+        parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
+        rows = torch.cat([p.to(HOST, torch.float32) for p in parts], dim=1)
+        return rows.numpy()
+
+    @staticmethod
+    def scatter(shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Puts tier ``rows`` into the cache's ``slots`` (weights and optimizer states)."""
+        device = shard.weight_slots.device
+        dev_slots = slots.to(device)
+        rows = rows.to(device)
+        cols = shard.cols
+        shard.weight_slots.index_copy_(0, dev_slots, rows[:, :cols].to(shard.weight_slots.dtype))
+        start = cols
+        for view in shard.state_slots:
+            width = view.shape[1]
+            view.index_copy_(0, dev_slots, rows[:, start : start + width].to(view.dtype))
+            start += width
