@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.tier_io import HOST
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, TieredTableShard
 
 CHANGED_PREFIX = "changed_rows::"
 """Top-level keys of the entries holding changed rows: ``changed_rows::<path>::<where>::ids``
@@ -48,6 +49,7 @@ class _TierRegion:
     """The memory of one tiered shard's rows (weights + optimizer state, row after row) and
     which of its rows changed."""
 
+    shard: TieredTableShard
     start: int  # address of row 0
     end: int
     row_bytes: int
@@ -64,10 +66,11 @@ def _regions(groups: Sequence[TieredTableGroup]) -> list[_TierRegion]:
                     f"table {shard.name!r}: its changed rows are not tracked; call "
                     "track_changes() on its group before training, or save a full checkpoint"
                 )
-            rows = group.mapped_rows(index)
+            rows = group.views.mapped_rows(index)
             start = rows.data_ptr()
             end = start + rows.numel() * rows.element_size()
-            regions.append(_TierRegion(start, end, rows.stride(0) * rows.element_size(), changed))
+            row_bytes = rows.stride(0) * rows.element_size()
+            regions.append(_TierRegion(shard, start, end, row_bytes, changed))
     return regions
 
 
@@ -169,7 +172,7 @@ def changed_state_dict(
             shape = (int(local.numel()), *shard.tensor.shape[1:])
             # A stand-in of the right shape and type for planning; the planner gathers.
             entries[values] = torch.zeros((), dtype=shard.tensor.dtype).expand(shape)
-            gathers[values] = _gather(shard.tensor, local)
+            gathers[values] = _RowGather(region, shard.tensor, first, local)
         return None
 
     pruned = _prune(narrow(state, ""))
@@ -178,8 +181,47 @@ def changed_state_dict(
     return ChangedState(pruned, ChangedRowsSavePlanner(gathers), rows)
 
 
-def _gather(tensor: torch.Tensor, rows: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: tensor.index_select(0, rows)
+class _RowGather:
+    """The current values of some rows of one tiered tensor (a shard's weights, or one of its
+    optimizer states), read when dcp writes them: from the cache where the row is resident
+    (most changed rows are: training just used them), else from the tier in one batched read.
+    Reading them through the tier's mapping instead would fault them in one page at a time."""
+
+    def __init__(
+        self, region: _TierRegion, view: torch.Tensor, first: int, local: torch.Tensor
+    ) -> None:
+        self.shard = region.shard
+        self.rows = local + first  # the shard's local rows
+        self.one_d = view.dim() == 1
+        column = (view.data_ptr() - region.start) % region.row_bytes // view.element_size()
+        self.columns = slice(column, column + (1 if self.one_d else int(view.shape[1])))
+        self.dtype = view.dtype
+        self.cached = self._cache_tensor(column)
+
+    def _cache_tensor(self, column: int) -> torch.Tensor:
+        """The cache tensor holding this view's columns: the weights, or one state."""
+        if column == 0:
+            return self.shard.weight_slots
+        start = self.shard.cols
+        for state in self.shard.state_slots:
+            if column == start:
+                return state
+            start += int(state.shape[1])
+        raise ValueError(f"table {self.shard.name!r}: no cached tensor at row column {column}")
+
+    @torch.no_grad()
+    def __call__(self) -> torch.Tensor:
+        out = torch.empty(len(self.rows), self.columns.stop - self.columns.start, dtype=self.dtype)
+        slots = self.shard.cache.lookup(self.rows).to(HOST)
+        hit = slots >= 0
+        if bool(hit.any()):
+            picked = self.cached.index_select(0, slots[hit].to(self.cached.device))
+            out[hit] = picked.to(HOST, self.dtype)
+        miss = ~hit
+        if bool(miss.any()):
+            rows = self.shard.store.read_rows(self.rows[miss].numpy())
+            out[miss] = torch.from_numpy(rows[:, self.columns]).to(self.dtype)
+        return out[:, 0] if self.one_d else out
 
 
 def _prune(state: dict[str, Any]) -> dict[str, Any]:
