@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -55,21 +55,22 @@ def _build_cache_module(
     feature_table_map: list[int],
     pooling: PoolingMode,
     device: torch.device | None,
-) -> tuple[SplitTableBatchedEmbeddingBagsCodegen, TieredTableOptions]:
-    fused_params = dict(config.fused_params or {})
-    options = TieredTableOptions.pop_from_fused_params(fused_params)
-    if options is None:
-        names = ", ".join(t.name for t in config.embedding_tables)
+    table_options: Mapping[str, TieredTableOptions],
+) -> tuple[SplitTableBatchedEmbeddingBagsCodegen, list[TieredTableOptions]]:
+    missing = [t.name for t in config.embedding_tables if t.name not in table_options]
+    if missing:
         raise ValueError(
-            f"tables {names} use the tiered kernel but their sharding carries no tier; "
-            "plan them with TieredParameterSharding (or the tiered planner)"
+            f"tables {', '.join(missing)} use the tiered kernel but their sharding carries no "
+            "tier; plan them with TieredParameterSharding (or the tiered planner)"
         )
+    options = [table_options[t.name] for t in config.embedding_tables]
+    fused_params = dict(config.fused_params or {})
     for key in _DROPPED_FUSED_PARAMS:
         fused_params.pop(key, None)
     on_cuda = device is not None and device.type == "cuda"
     location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
     compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-    cache_rows = [options.cache_rows(t.local_rows) for t in config.embedding_tables]
+    cache_rows = [o.cache_rows(t.local_rows) for o, t in zip(options, config.embedding_tables)]
     precision = data_type_to_sparse_type(config.data_type)
     fused_params.setdefault("cache_precision", precision)
     module = SplitTableBatchedEmbeddingBagsCodegen(
@@ -148,7 +149,7 @@ class _TieredKernelMixin:
         self,
         config: GroupedEmbeddingConfig,
         pg: dist.ProcessGroup | None,
-        options: TieredTableOptions,
+        options: list[TieredTableOptions],
         storage: TierStorage,
     ) -> None:
         self.storage = storage
@@ -282,8 +283,9 @@ class TieredEmbeddingBag(
     """Pooled tiered kernel (EmbeddingBagCollection tables).
 
     Args:
-        config: the group of tables this kernel computes (all with the same tier options).
+        config: the group of tables this kernel computes (every tiered table of its lookup).
         storage: where tier files go.
+        table_options: tier, cache size and policy of each table, by name.
         pg / device / sharding_type: as for TorchRec's fused kernel.
     """
 
@@ -291,13 +293,14 @@ class TieredEmbeddingBag(
         self,
         config: GroupedEmbeddingConfig,
         storage: TierStorage,
+        table_options: Mapping[str, TieredTableOptions],
         pg: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
         sharding_type: ShardingType | None = None,
     ) -> None:
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
         self._emb_module, options = _build_cache_module(
-            config, self._local_cols, self._feature_table_map, self._pooling, device
+            config, self._local_cols, self._feature_table_map, self._pooling, device, table_options
         )
         self._init_tiers(config, pg, options, storage)
 
@@ -325,12 +328,18 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
         self,
         config: GroupedEmbeddingConfig,
         storage: TierStorage,
+        table_options: Mapping[str, TieredTableOptions],
         pg: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
     ) -> None:
         BaseBatchedEmbedding.__init__(self, config, pg, device)
         self._emb_module, options = _build_cache_module(
-            config, self._local_cols, self._feature_table_map, PoolingMode.NONE, device
+            config,
+            self._local_cols,
+            self._feature_table_map,
+            PoolingMode.NONE,
+            device,
+            table_options,
         )
         self._init_tiers(config, pg, options, storage)
 

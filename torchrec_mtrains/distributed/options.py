@@ -2,9 +2,11 @@
 
 TorchRec 1.8 has one hook for a third-party kernel, ``EmbeddingComputeKernel.CUSTOMIZED_KERNEL``,
 so the tier, cache size and policy of each table ride beside it: a
-:class:`TieredParameterSharding` (a ``ParameterSharding`` subclass) hands them to TorchRec as
-extra fused parameters via ``get_additional_fused_params()``, TorchRec groups tables by fused
-parameters, and the kernel pops them before building fbgemm's table-batched module.
+:class:`TieredParameterSharding` (a ``ParameterSharding`` subclass) holds them in the plan, and
+the tiered sharded modules hand each kernel the options of its tables by name. They are not
+fused parameters: TorchRec groups tables into kernels by fused parameters, and every tiered table
+of a lookup, whatever its tier, cache size and policy, belongs in one kernel (one fbgemm module,
+one remap per batch, nothing for TorchRec to concatenate).
 
 Where the tiers' files go, and how their stores are opened (block size, queue depth, ...), is a
 property of the host, not of a table: :class:`TierStorage`, given to the sharders. Its per-tier
@@ -37,11 +39,6 @@ from torchrec_mtrains.types import Tier, parse_choice
 
 TIERED_KERNEL: str = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 """The compute-kernel name tiered tables carry in a sharding plan."""
-
-TIER_KEY = "mtrains_tier"
-CACHE_LOAD_FACTOR_KEY = "mtrains_cache_load_factor"
-CACHE_POLICY_KEY = "mtrains_cache_policy"
-_ALL_KEYS = (TIER_KEY, CACHE_LOAD_FACTOR_KEY, CACHE_POLICY_KEY)
 
 BOUNDS_CHECK_MODE_KEY = "bounds_check_mode"
 """The fused parameter (and ``ParameterSharding`` field) fbgemm's kernels take their mode from."""
@@ -110,26 +107,6 @@ class TieredTableOptions:
     def cache_rows(self, local_rows: int) -> int:
         return max(1, min(local_rows, math.ceil(self.cache_load_factor * local_rows)))
 
-    def to_fused_params(self) -> dict[str, Any]:
-        return {
-            TIER_KEY: self.tier.value,
-            CACHE_LOAD_FACTOR_KEY: self.cache_load_factor,
-            CACHE_POLICY_KEY: self.cache_policy,
-        }
-
-    @classmethod
-    def pop_from_fused_params(cls, fused_params: dict[str, Any]) -> TieredTableOptions | None:
-        """Removes this module's keys from ``fused_params``; returns the options they held."""
-        if TIER_KEY not in fused_params:
-            for key in _ALL_KEYS:
-                fused_params.pop(key, None)
-            return None
-        return cls(
-            tier=Tier.parse(fused_params.pop(TIER_KEY)),
-            cache_load_factor=float(fused_params.pop(CACHE_LOAD_FACTOR_KEY, 0.2)),
-            cache_policy=str(fused_params.pop(CACHE_POLICY_KEY, "lru")),
-        )
-
 
 @dataclass
 class TieredParameterSharding(ParameterSharding):
@@ -152,9 +129,6 @@ class TieredParameterSharding(ParameterSharding):
                 f"TieredParameterSharding needs compute_kernel={TIERED_KERNEL!r}, "
                 f"got {self.compute_kernel!r}"
             )
-
-    def get_additional_fused_params(self) -> dict[str, Any]:
-        return self.tier_options.to_fused_params()
 
     @classmethod
     def wrap(
@@ -239,3 +213,12 @@ class TierStorage:
         """The options ``tier``'s stores are opened with: those given, else the tier's
         defaults."""
         return resolve_options(tier.value, self.tier_options.get(tier.value))
+
+
+def tier_options_by_table(plan: Mapping[str, ParameterSharding]) -> dict[str, TieredTableOptions]:
+    """The tier options of every tiered table of a module's sharding plan, by table name."""
+    return {
+        name: sharding.tier_options
+        for name, sharding in plan.items()
+        if isinstance(sharding, TieredParameterSharding)
+    }

@@ -34,7 +34,13 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
-from torchrec_mtrains.distributed.options import TIERED_KERNEL, BoundsCheck, TierStorage
+from torchrec_mtrains.distributed.options import (
+    TIERED_KERNEL,
+    BoundsCheck,
+    TieredTableOptions,
+    TierStorage,
+    tier_options_by_table,
+)
 from torchrec_mtrains.distributed.sharded_state import (
     TIER_DEVICE,
     all_on_host,
@@ -91,12 +97,20 @@ class _TieredLookupMixin:
     lookups only prefetch its own caching kernels)."""
 
     _tier_storage: TierStorage
+    _tier_options: Mapping[str, TieredTableOptions]
     _emb_modules: Any
     _feature_splits: list[int]
 
-    def __init__(self, *, storage: TierStorage, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        storage: TierStorage,
+        table_options: Mapping[str, TieredTableOptions],
+        **kwargs: Any,
+    ) -> None:
         # Set before TorchRec's constructor, which creates the kernels.
         object.__setattr__(self, "_tier_storage", storage)
+        object.__setattr__(self, "_tier_options", dict(table_options))
         super().__init__(**kwargs)
 
     def prefetch(
@@ -122,7 +136,9 @@ class TieredGroupedPooledEmbeddingsLookup(_TieredLookupMixin, GroupedPooledEmbed
         env: ShardingEnv | None,
     ) -> Any:
         if config.compute_kernel == _CUSTOM:
-            return TieredEmbeddingBag(config, self._tier_storage, pg, device, sharding_type)
+            return TieredEmbeddingBag(
+                config, self._tier_storage, self._tier_options, pg, device, sharding_type
+            )
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
 
@@ -137,7 +153,7 @@ class TieredGroupedEmbeddingsLookup(_TieredLookupMixin, GroupedEmbeddingsLookup)
         env: ShardingEnv | None = None,
     ) -> Any:
         if config.compute_kernel == _CUSTOM:
-            return TieredEmbedding(config, self._tier_storage, pg, device)
+            return TieredEmbedding(config, self._tier_storage, self._tier_options, pg, device)
         return super()._create_embedding_kernel(config, pg, device, env)
 
 
@@ -579,6 +595,7 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
             self._lookups.append(
                 TieredGroupedPooledEmbeddingsLookup(
                     storage=self._tier_storage,
+                    table_options=tier_options_by_table(self.module_sharding_plan),
                     grouped_configs=configs,
                     pg=sharding._pg,
                     device=sharding._device,
@@ -603,6 +620,7 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
             else:
                 lookup = TieredGroupedEmbeddingsLookup(
                     storage=self._tier_storage,
+                    table_options=tier_options_by_table(self.module_sharding_plan),
                     grouped_configs=configs,
                     pg=sharding._pg,
                     device=sharding._device,

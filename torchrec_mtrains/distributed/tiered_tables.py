@@ -124,7 +124,7 @@ class TieredTableGroup:
         feature_table_map: table index of each input feature, in feature order.
         weight_slots: per table, the fused module's weight view (``split_embedding_weights()``).
         states: per table, the fused module's optimizer states (``get_optimizer_state()``).
-        options: placement of the tables (one group shares one set of options).
+        options: placement of each table (tier, cache size, policy), aligned with ``tables``.
         storage: where tier files go.
         rank: this process's rank (files are per rank).
     """
@@ -135,16 +135,15 @@ class TieredTableGroup:
         feature_table_map: list[int],
         weight_slots: list[torch.Tensor],
         states: list[dict[str, torch.Tensor]],
-        options: TieredTableOptions,
+        options: list[TieredTableOptions],
         storage: TierStorage,
         rank: int,
     ) -> None:
-        self.options = options
         self.storage = storage
         self.feature_table_map = feature_table_map
         self.shards: list[TieredTableShard] = []
-        directory = storage.directory(options.tier, rank)
-        for table, weight, state in zip(tables, weight_slots, states):
+        for table, weight, state, placed in zip(tables, weight_slots, states, options):
+            directory = storage.directory(placed.tier, rank)
             cache_rows = int(weight.shape[0])
             keys, views, shapes = _split_states(state, cache_rows)
             dtype = StorageDType.parse(weight.dtype)
@@ -156,23 +155,21 @@ class TieredTableGroup:
             )
             row_off, col_off = _offsets(table)
             file_name = f"{table.name}.r{row_off}.c{col_off}"
-            existed = (directory / f"{file_name}.{options.tier.value}.rows").exists()
+            existed = (directory / f"{file_name}.{placed.tier.value}.rows").exists()
             store = open_store(
-                options.tier.value,
+                placed.tier.value,
                 directory,
                 file_name,
                 layout,
                 mode=storage.open_mode,
-                options=storage.options_for(options.tier),
+                options=storage.options_for(placed.tier),
             )
             created = storage.open_mode is OpenMode.TRUNCATE or not existed
             self.shards.append(
                 TieredTableShard(
                     name=table.name,
                     store=store,
-                    cache=TableCache(
-                        table.name, table.local_rows, cache_rows, options.cache_policy
-                    ),
+                    cache=TableCache(table.name, table.local_rows, cache_rows, placed.cache_policy),
                     weight_slots=weight,
                     state_slots=views,
                     state_keys=keys,

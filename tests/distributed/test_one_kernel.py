@@ -1,0 +1,101 @@
+"""Every tiered table of a lookup runs in one tiered kernel, whatever its tier, cache size and
+policy: one fbgemm module and one remap per batch, nothing for TorchRec to concatenate; the
+tables beside them on TorchRec's kernels keep theirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from tests.distributed.test_checkpoint import assert_same, full_weights, train
+from torchrec_mtrains.distributed import (
+    TIERED_KERNEL,
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TieredTableOptions,
+    TierStorage,
+)
+from torchrec_mtrains.distributed.kernel import TieredEmbeddingBag
+from torchrec_mtrains.pipeline.stats import tiered_groups
+
+PLACEMENT = {
+    "big": TieredTableOptions(tier="block_scm", cache_load_factor=0.1, cache_policy="lru"),
+    "mid": TieredTableOptions(tier="byte_scm", cache_load_factor=0.25, cache_policy="lfu"),
+    "low": TieredTableOptions(tier="dram", cache_load_factor=0.5, cache_policy="lru"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group(one_rank_process_group: None) -> None:
+    """One rank."""
+
+
+def _model(root: Path) -> DistributedModelParallel:
+    # Features f0 and f1 as test_checkpoint.train feeds them: f0 ids < 300, f1 ids < 40.
+    tables = [
+        EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=300, feature_names=["f0"]),
+        EmbeddingBagConfig(name="mid", embedding_dim=16, num_embeddings=300, feature_names=["f0"]),
+        EmbeddingBagConfig(name="low", embedding_dim=8, num_embeddings=40, feature_names=["f1"]),
+        EmbeddingBagConfig(name="own", embedding_dim=4, num_embeddings=40, feature_names=["f1"]),
+    ]
+    storage = TierStorage(root=str(root), checkpoint_chunk_rows=64)
+    fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+    sharder = TieredEmbeddingBagCollectionSharder(storage, fused_params=fused)
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        ebc,
+        {
+            **{name: table_wise(rank=0, compute_kernel=TIERED_KERNEL) for name in PLACEMENT},
+            "own": table_wise(rank=0, compute_kernel="fused"),
+        },
+        sharder=sharder,
+        local_size=1,
+        world_size=1,
+        device_type="cpu",
+    )
+    for name, options in PLACEMENT.items():
+        plan[name] = TieredParameterSharding.wrap(plan[name], options)
+    return DistributedModelParallel(
+        ebc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
+    )
+
+
+def test_tables_of_every_tier_share_one_kernel(tmp_path: Path) -> None:
+    model = _model(tmp_path)
+    groups = tiered_groups(model)
+    assert len(groups) == 1
+    shards = {shard.name: shard for shard in groups[0]}
+    assert shards.keys() == PLACEMENT.keys()
+    for name, options in PLACEMENT.items():
+        shard = shards[name]
+        assert shard.store.name == options.tier.value
+        assert shard.cache.num_slots == options.cache_rows(shard.local_rows)
+        assert shard.cache.policy.name == options.cache_policy
+    kernels = [
+        kernel
+        for module in model.modules()
+        for lookup in getattr(module, "_lookups", [])
+        for kernel in getattr(getattr(lookup, "module", lookup), "_emb_modules", [])
+    ]
+    assert sum(isinstance(k, TieredEmbeddingBag) for k in kernels) == 1
+    assert len(kernels) == 2  # the tiered one and TorchRec's fused one for "own"
+
+
+def test_one_kernel_trains_and_reloads_exactly(tmp_path: Path) -> None:
+    src = _model(tmp_path / "a")
+    train(src, 6, seed=1)
+    dst = _model(tmp_path / "b")
+    dst.load_state_dict(src.state_dict())
+    dst.fused_optimizer.load_state_dict(src.fused_optimizer.state_dict())
+    assert_same(full_weights(src), full_weights(dst))
+    train(src, 4, seed=2)
+    train(dst, 4, seed=2)
+    assert_same(full_weights(src), full_weights(dst))
