@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.shard import Shard
@@ -148,8 +149,7 @@ def changed_state_dict(
         ValueError: naming a table whose changes are not tracked.
     """
     regions = _regions(groups)
-    entries: dict[str, Any] = {}
-    gathers: dict[str, Callable[[], torch.Tensor]] = {}
+    found_chunks: list[tuple[int, int, str, Shard, _TierRegion]] = []
 
     def narrow(value: Any, path: str) -> Any:
         if isinstance(value, Mapping):
@@ -162,23 +162,46 @@ def changed_state_dict(
         for shard, region in found:
             assert region is not None
             first = (shard.tensor.data_ptr() - region.start) // region.row_bytes
-            size = int(shard.metadata.shard_sizes[0])
-            local = torch.nonzero(region.changed[first : first + size]).flatten()
-            if local.numel() == 0:
-                continue
-            where = _where(shard)
-            entries[_key(path, where, "ids")] = local + where[0]
-            values = _key(path, where, "values")
-            shape = (int(local.numel()), *shard.tensor.shape[1:])
-            # A stand-in of the right shape and type for planning; the planner gathers.
-            entries[values] = torch.zeros((), dtype=shard.tensor.dtype).expand(shape)
-            gathers[values] = _RowGather(region, shard.tensor, first, local)
+            found_chunks.append((regions.index(region), first, path, shard, region))
         return None
 
     pruned = _prune(narrow(state, ""))
-    pruned.update(entries)
+    # Chunk by chunk (a chunk's weights, then its optimizer states): dcp writes entries in
+    # this order, so the rows a chunk reads from its tier serve all of its tensors.
+    found_chunks.sort(key=lambda chunk: chunk[:2])
+    reads = _ChunkReads()
+    gathers: dict[str, Callable[[], torch.Tensor]] = {}
+    for _, first, path, shard, region in found_chunks:
+        size = int(shard.metadata.shard_sizes[0])
+        local = torch.nonzero(region.changed[first : first + size]).flatten()
+        if local.numel() == 0:
+            continue
+        where = _where(shard)
+        pruned[_key(path, where, "ids")] = local + where[0]
+        values = _key(path, where, "values")
+        shape = (int(local.numel()), *shard.tensor.shape[1:])
+        # A stand-in of the right shape and type for planning; the planner gathers.
+        pruned[values] = torch.zeros((), dtype=shard.tensor.dtype).expand(shape)
+        gathers[values] = _RowGather(region, shard.tensor, first, local, reads)
     rows = sum(int(region.changed.sum()) for region in regions)
     return ChangedState(pruned, ChangedRowsSavePlanner(gathers), rows)
+
+
+class _ChunkReads:
+    """The rows one chunk last read from its tier, for the chunk's other tensors: a row holds
+    the weights and every optimizer state, and a tier reads it whole."""
+
+    def __init__(self) -> None:
+        self._store: object | None = None
+        self._ids = torch.empty(0, dtype=torch.int64)
+        self._rows: np.ndarray[Any, Any] | None = None
+
+    def read(self, shard: TieredTableShard, ids: torch.Tensor) -> np.ndarray[Any, Any]:
+        """The tier rows of the shard's local ``ids``, read once for consecutive callers."""
+        if self._rows is None or self._store is not shard.store or not torch.equal(self._ids, ids):
+            self._store, self._ids = shard.store, ids
+            self._rows = shard.store.read_rows(ids.numpy())
+        return self._rows
 
 
 class _RowGather:
@@ -188,10 +211,16 @@ class _RowGather:
     Reading them through the tier's mapping instead would fault them in one page at a time."""
 
     def __init__(
-        self, region: _TierRegion, view: torch.Tensor, first: int, local: torch.Tensor
+        self,
+        region: _TierRegion,
+        view: torch.Tensor,
+        first: int,
+        local: torch.Tensor,
+        reads: _ChunkReads,
     ) -> None:
         self.shard = region.shard
         self.rows = local + first  # the shard's local rows
+        self.reads = reads
         self.one_d = view.dim() == 1
         column = (view.data_ptr() - region.start) % region.row_bytes // view.element_size()
         self.columns = slice(column, column + (1 if self.one_d else int(view.shape[1])))
@@ -219,7 +248,7 @@ class _RowGather:
             out[hit] = picked.to(HOST, self.dtype)
         miss = ~hit
         if bool(miss.any()):
-            rows = self.shard.store.read_rows(self.rows[miss].numpy())
+            rows = self.reads.read(self.shard, self.rows[miss])
             out[miss] = torch.from_numpy(rows[:, self.columns]).to(self.dtype)
         return out[:, 0] if self.one_d else out
 
