@@ -7,9 +7,18 @@ device's random 4 KiB read IOPS at queue depth 32 (libaio, O_DIRECT) just before
 after the block tier's read phase (the mean is the reference: cloud disks drift), and the block
 tier's efficiency is its random single-row reads/s over that IOPS (target: >= 70%).
 
+A last phase replays a cache's write-back (W1: 260-byte rows with ``--dim 64 --state-width 1``):
+batches of ``--batch`` random rows are read, then written back changed, with a flush every
+``--flush-every`` batches (a checkpoint). Per batch it reports the block I/Os and bytes the
+medium saw (reads, writes, and for ``log_block_scm`` its compaction and checkpoints) and the
+rows written back per second: the block tier patches each row's block in place, the log tier
+appends the batch.
+
 Example::
 
     python benchmarks/tier_bench.py --dir /tmp --rows 16777216 --dim 64 --out results.json
+    python benchmarks/tier_bench.py --tiers block_scm log_block_scm --rows 4194304 \
+        --dim 64 --state-width 1 --no-fio --out writeback.json
 """
 
 from __future__ import annotations
@@ -26,15 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_mtrains.tiers import (
-    TIERS,
-    BlockScmOptions,
-    IOEngineKind,
-    OpenMode,
-    RowStore,
-    TierOptions,
-    open_store,
-)
+import torchrec_mtrains.tiers.log_block_scm  # noqa: F401  (registers the log tier)
+from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store, resolve_options
 from torchrec_mtrains.types import RowLayout
 
 TARGET = 0.70
@@ -82,13 +84,70 @@ def fill(store: RowStore, rng: np.random.Generator) -> float:
     return layout.total_bytes / (time.perf_counter() - t0) / 1e6
 
 
+BLOCK_TIERS = ("block_scm", "log_block_scm")
+
+
+def tier_options(tier: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's settings for the options ``tier`` takes."""
+    wanted = {
+        "queue_depth": args.queue_depth,
+        "engine": args.engine,
+        "max_space_amplification": args.max_space_amplification,
+    }
+    names = TIERS[tier].options_type.option_names()
+    return {k: v for k, v in wanted.items() if k in names}
+
+
+def writeback(
+    store: RowStore, args: argparse.Namespace, rng: np.random.Generator
+) -> dict[str, Any]:
+    """Batches of random rows read then written back changed, flushing every
+    ``--flush-every`` batches; the medium's I/O per batch and the rows written back per s."""
+    block = int(getattr(store, "block_size", 0)) or 4096  # memory tiers: 4 KiB pages
+    log_stats = getattr(store, "log_stats", None)
+    before, log_before = store.stats.as_dict(), log_stats.as_dict() if log_stats else {}
+    batches = 0
+
+    def step() -> int:
+        nonlocal batches
+        ids = np.unique(rng.integers(0, args.rows, args.batch))
+        store.write_rows(ids, store.read_rows(ids) + 1.0)
+        batches += 1
+        if batches % args.flush_every == 0:
+            store.flush()
+        return int(ids.size)
+
+    rows, spent = timed(args.seconds, step)
+    t0 = time.perf_counter()
+    store.flush()  # the last checkpoint is part of the work
+    spent += time.perf_counter() - t0
+    after = store.stats.as_dict()
+    delta = {k: after[k] - before[k] for k in after}
+    out: dict[str, Any] = {
+        "batches": batches,
+        "rows_per_batch": rows / batches,
+        "rows_s": rows / spent,
+        "block_bytes": block,
+        "block_reads_per_batch": delta["bytes_read"] / block / batches,
+        "block_writes_per_batch": delta["bytes_written"] / block / batches,
+        "io_calls_per_batch": delta["io_calls"] / batches,
+        "mb_read_per_batch": delta["bytes_read"] / batches / 1e6,
+        "mb_written_per_batch": delta["bytes_written"] / batches / 1e6,
+    }
+    if log_stats is not None:
+        log_delta = {k: v - log_before[k] for k, v in log_stats.as_dict().items()}
+        out["log"] = {
+            **log_delta,
+            "file_data_over_row_bytes": store.file_data_bytes / store.layout.total_bytes,  # type: ignore[attr-defined]
+        }
+    return out
+
+
 def bench_tier(
     tier: str, directory: Path, args: argparse.Namespace, fio: dict[str, Any]
 ) -> dict[str, Any]:
-    layout = RowLayout(args.rows, args.dim, 0, args.dtype)
-    options: TierOptions | None = None
-    if tier == "block_scm":
-        options = BlockScmOptions(queue_depth=args.queue_depth, engine=IOEngineKind(args.engine))
+    layout = RowLayout(args.rows, args.dim, args.state_width, args.dtype)
+    options = resolve_options(tier, tier_options(tier, args))
     rng = np.random.default_rng(0)
     store = open_store(tier, directory, "bench", layout, mode=OpenMode.TRUNCATE, options=options)
     result: dict[str, Any] = {
@@ -124,7 +183,8 @@ def bench_tier(
         spent += time.perf_counter() - t0
         result["write_rows_s"] = n / spent
         result["write_mb_s"] = n * layout.row_bytes / spent / 1e6
-        if tier == "block_scm":
+        result["writeback"] = writeback(store, args, rng)
+        if tier in BLOCK_TIERS:
             result["direct_io"] = store.direct  # type: ignore[attr-defined]
             result["engine"] = store.engine  # type: ignore[attr-defined]
         result["stats"] = store.stats.as_dict()
@@ -134,17 +194,39 @@ def bench_tier(
     return result
 
 
+def print_writeback(r: dict[str, Any]) -> None:
+    w = r["writeback"]
+    line = (
+        f"  write-back ({w['rows_per_batch']:.0f} rows/batch): {w['rows_s']:10.0f} rows/s | "
+        f"per batch {w['block_reads_per_batch']:8.1f} block reads, "
+        f"{w['block_writes_per_batch']:8.1f} block writes ({w['block_bytes']} B), "
+        f"{w['io_calls_per_batch']:8.1f} I/O calls, {w['mb_read_per_batch']:.2f} MB read, "
+        f"{w['mb_written_per_batch']:.2f} MB written"
+    )
+    if "log" in w:
+        log = w["log"]
+        line += (
+            f"\n  log: compacted {log['compacted_rows'] / w['batches']:.0f} rows/batch, "
+            f"{log['checkpoints']} checkpoints, file data {log['file_data_over_row_bytes']:.2f}x "
+            f"the row bytes, grew {log['grown_segments']} segments past the bound"
+        )
+    print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--rows", type=int, default=1 << 24, help="rows per table (4 GiB at 64)")
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--state-width", type=int, default=0, help="1: row-wise Adagrad (W1)")
     parser.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--engine", choices=["auto", "aio", "threads"], default="auto")
     parser.add_argument("--tiers", nargs="+", default=sorted(TIERS), choices=sorted(TIERS))
+    parser.add_argument("--flush-every", type=int, default=16, help="write-back batches")
+    parser.add_argument("--max-space-amplification", type=float, default=2.0, help="log tier")
     parser.add_argument("--fio-seconds", type=int, default=10)
     parser.add_argument("--fio-size", default="2G")
     parser.add_argument("--no-fio", dest="fio", action="store_false")
@@ -163,9 +245,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = bench_tier(tier, work, args, fio)
             results["tiers"][tier] = r
             note = ""
-            if tier == "block_scm" and not r["direct_io"]:
+            if tier in BLOCK_TIERS and not r["direct_io"]:
                 note = "  (buffered fallback: the page cache may inflate these numbers)"
-            elif tier != "block_scm":
+            elif tier not in BLOCK_TIERS:
                 note = "  (served from memory / the page cache)"
             print(
                 f"  fill {r['seq_fill_mb_s']:8.0f} MB/s | random read {r['read_rows_s']:10.0f} "
@@ -173,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"rows/s {r['write_mb_s']:8.1f} MB/s{note}",
                 flush=True,
             )
+            print_writeback(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

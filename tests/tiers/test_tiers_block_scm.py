@@ -15,7 +15,7 @@ from tier_helpers import exact_rows
 from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, _blockio, _linux
 from torchrec_mtrains.tiers import block_scm as block_module
 from torchrec_mtrains.tiers._blockio import AioEngine, AlignedBuffer, IOEngineKind, ThreadEngine
-from torchrec_mtrains.tiers.block_scm import BlockScmOptions, BlockSCMStore, _runs
+from torchrec_mtrains.tiers.block_scm import BlockScmOptions, BlockSCMStore
 from torchrec_mtrains.types import RowLayout
 
 
@@ -96,7 +96,7 @@ def test_small_pass_budget_splits_batches_correctly(tmp_path: Path) -> None:
 
 
 def test_runs_helper() -> None:
-    starts, lengths = _runs(np.array([1, 2, 3, 7, 9, 10], dtype=np.int64), 2)
+    starts, lengths = _blockio.merge_runs(np.array([1, 2, 3, 7, 9, 10], dtype=np.int64), 2)
     assert starts.tolist() == [0, 2, 3, 4]
     assert lengths.tolist() == [2, 1, 1, 2]
 
@@ -128,7 +128,7 @@ def test_o_direct_refusal_falls_back_with_one_warning(
     real_open = os.open
 
     def refuse_direct(path: Any, flags: int, *args: Any) -> int:
-        if flags & block_module._O_DIRECT:
+        if flags & _blockio._O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
@@ -147,7 +147,7 @@ def test_o_direct_refusal_falls_back_with_one_warning(
 
 
 def test_misaligned_direct_io_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(BlockSCMStore, "_direct_io_works", lambda self, fd: False)
+    monkeypatch.setattr(_blockio, "_direct_read_works", lambda fd, block_size, offset: False)
     with BlockSCMStore(
         tmp_path, "t", RowLayout(10, 4), options=BlockScmOptions(block_size=512)
     ) as store:
@@ -163,7 +163,7 @@ def test_direct_io_is_used_where_supported(tmp_path: Path) -> None:
         )
         if not store.direct:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
-        assert flags & block_module._O_DIRECT
+        assert flags & _blockio._O_DIRECT
         assert store.engine == "aio"
 
 

@@ -1,6 +1,10 @@
 """Storage tiers: one module per backend, all registered by name in :data:`TIERS`.
 
 Importing this package registers the built-in tiers (``dram``, ``byte_scm``, ``block_scm``).
+The log-structured block tier ``log_block_scm`` registers itself when
+:mod:`torchrec_mtrains.tiers.log_block_scm` is imported: the distributed layer cannot place
+tables on it yet (its checkpoints map a block tier's file as the flat row array, which a log
+is not), and code that enumerates :data:`TIERS` as the tiers tables can use must not see it.
 A new tier is one new module defining a :class:`TierOptions` dataclass and a :class:`RowStore`
 subclass naming it as ``options_type``, decorated with :func:`register_tier`.
 """

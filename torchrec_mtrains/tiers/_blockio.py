@@ -344,3 +344,78 @@ def make_engine(kind: IOEngineKind, depth: int, direct: bool) -> IOEngine:
             raise
         warn_once("aio", "native AIO unavailable (%s); block I/O uses a thread pool", e)
         return ThreadEngine(depth)
+
+
+def merge_runs(blocks: I64Array, max_len: int) -> tuple[I64Array, I64Array]:
+    """Splits sorted unique block numbers into runs of consecutive blocks of at most
+    ``max_len``, so adjacent blocks move in one I/O; returns each run's first index into
+    ``blocks`` and its length."""
+    n = blocks.size
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    ends = np.concatenate((breaks, [n])).astype(np.int64)
+    lengths = ends - starts
+    if lengths.size and int(lengths.max()) > max_len:
+        pieces = -(-lengths // max_len)
+        within = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts = np.repeat(starts, pieces) + within * max_len
+        lengths = np.minimum(starts + max_len, np.repeat(ends, pieces)) - starts
+    return starts, lengths
+
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def open_block_file(
+    path: str | os.PathLike[str], block_size: int, probe_offset: int, direct: bool, tier: str
+) -> tuple[int, bool]:
+    """Opens ``path`` read-write for block I/O: with ``O_DIRECT`` when asked for and the file
+    system honours it for ``block_size``-byte I/O (probed by one aligned read at
+    ``probe_offset``), else buffered, warning once per process. Returns ``(fd, direct)``;
+    raises ``OSError`` when the file cannot be opened at all."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if direct and _O_DIRECT:
+        try:
+            fd = os.open(path, flags | _O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            warn_once(
+                f"odirect-{tier}",
+                "%s: the file system refuses O_DIRECT; %s uses buffered I/O (the page cache "
+                "now sits in front of the device)",
+                os.path.dirname(path),
+                tier,
+            )
+        else:
+            try:
+                works = _direct_read_works(fd, block_size, probe_offset)
+            except BaseException:
+                os.close(fd)
+                raise
+            if works:
+                return fd, True
+            os.close(fd)
+            warn_once(
+                f"odirect-align-{tier}",
+                "%s: O_DIRECT I/O of %d-byte blocks fails (the device needs larger alignment); "
+                "%s uses buffered I/O",
+                os.path.dirname(path),
+                block_size,
+                tier,
+            )
+    return os.open(path, flags), False
+
+
+def _direct_read_works(fd: int, block_size: int, offset: int) -> bool:
+    """Probes one block-sized, block-aligned read: some file systems accept O_DIRECT at open
+    and only refuse misaligned I/O later (e.g. 512-byte blocks on a 4Kn device)."""
+    buf = AlignedBuffer(2 * max(block_size, 4096))
+    pos = block_size if block_size < 4096 else 0  # aligned to the block, not to a page
+    try:
+        os.preadv(fd, [buf.view[pos : pos + block_size]], offset)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    return True

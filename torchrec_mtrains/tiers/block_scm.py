@@ -15,7 +15,6 @@ are built from the host topology rather than set twice.
 
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import dataclass
 from itertools import pairwise
@@ -31,7 +30,8 @@ from torchrec_mtrains.tiers._blockio import (
     IOEngineKind,
     ThreadEngine,
     make_engine,
-    warn_once,
+    merge_runs,
+    open_block_file,
 )
 from torchrec_mtrains.tiers.base import (
     DATA_OFFSET,
@@ -43,8 +43,6 @@ from torchrec_mtrains.tiers.base import (
     register_tier,
 )
 from torchrec_mtrains.types import RowLayout
-
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass(frozen=True)
@@ -58,22 +56,6 @@ class _Geometry:
 
 
 _RowsView = tuple[npt.NDArray[Any], I64Array | None]
-
-
-def _runs(blocks: I64Array, max_len: int) -> tuple[I64Array, I64Array]:
-    """Splits sorted unique block numbers into runs of consecutive blocks of at most
-    ``max_len``; returns each run's first index into ``blocks`` and its length."""
-    n = blocks.size
-    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
-    starts = np.concatenate(([0], breaks)).astype(np.int64)
-    ends = np.concatenate((breaks, [n])).astype(np.int64)
-    lengths = ends - starts
-    if lengths.size and int(lengths.max()) > max_len:
-        pieces = -(-lengths // max_len)
-        within = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        starts = np.repeat(starts, pieces) + within * max_len
-        lengths = np.minimum(starts + max_len, np.repeat(ends, pieces)) - starts
-    return starts, lengths
 
 
 @dataclass(frozen=True)
@@ -189,48 +171,10 @@ class BlockSCMStore(RowStore):
         return data_offset + -(-self.layout.total_bytes // bs) * bs
 
     def _open(self, direct: bool) -> tuple[int, bool]:
-        flags = os.O_RDWR | os.O_CLOEXEC
-        if direct and _O_DIRECT:
-            try:
-                fd = os.open(self.path, flags | _O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise self._os_error(e, "opening") from e
-                warn_once(
-                    "odirect",
-                    "%s: the file system refuses O_DIRECT; block_scm uses buffered I/O (the "
-                    "page cache now sits in front of the device)",
-                    self.directory,
-                )
-            else:
-                if self._direct_io_works(fd):
-                    return fd, True
-                os.close(fd)
-                warn_once(
-                    "odirect-align",
-                    "%s: O_DIRECT I/O of %d-byte blocks fails (the device needs larger "
-                    "alignment); block_scm uses buffered I/O",
-                    self.directory,
-                    self.block_size,
-                )
         try:
-            return os.open(self.path, flags), False
+            return open_block_file(self.path, self.block_size, self.data_offset, direct, self.name)
         except OSError as e:
             raise self._os_error(e, "opening") from e
-
-    def _direct_io_works(self, fd: int) -> bool:
-        """Probes one block-sized, block-aligned read: some file systems accept O_DIRECT at
-        open and only refuse misaligned I/O later (e.g. 512-byte blocks on a 4Kn device)."""
-        bs = self.block_size
-        buf = AlignedBuffer(2 * max(bs, 4096))
-        pos = bs if bs < 4096 else 0  # aligned to bs but not to a page, like our buffers
-        try:
-            os.preadv(fd, [buf.view[pos : pos + bs]], self.data_offset)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise self._os_error(e, "reading") from e
-        return True
 
     def _extend_to_whole_blocks(self) -> None:
         # Every I/O moves whole blocks, so the last one must lie inside the file; a file made
@@ -308,7 +252,7 @@ class BlockSCMStore(RowStore):
     def _io(self, write: bool, buf: AlignedBuffer, index: I64Array, blocks: I64Array) -> int:
         """Moves ``blocks`` (sorted, unique; ``index`` their slots in ``buf``, consecutive where
         the blocks are) between the file and the buffer in merged runs."""
-        run_start, run_len = _runs(blocks, self._max_io_blocks)
+        run_start, run_len = merge_runs(blocks, self._max_io_blocks)
         bs = self.block_size
         try:
             return self._engine.run(

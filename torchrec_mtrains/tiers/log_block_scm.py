@@ -1,0 +1,922 @@
+"""The log-structured block tier: rows appended to segments of a file in whole blocks.
+
+Why: the block tier writes a row back in place, and a 260-byte row (dim 64 fp32 plus a
+row-wise Adagrad state) is a read-modify-write of its 4 KiB block, so a batch of 4k evicted
+rows costs ~8k random 4 KiB I/Os. Here a batch of rows is packed densely (rows may straddle
+blocks, never segments) and appended at the head of the log in one contiguous write, split
+into ``max_io_bytes`` pieces kept in flight by the block I/O engine; nothing is ever read to be
+written. Reads look the newest copy up in an in-memory index and coalesce rows that share or
+neighbour blocks, as the block tier does.
+
+The price is dead space: a rewritten row leaves its old copy behind. Compaction copies the live
+rows of the emptiest segments to the head so the file stays within ``max_space_amplification``
+times the table's row bytes. It runs inline, no thread: before a write when free segments run
+short (on segments written since the last flush, the only ones it can free at once), and in
+:meth:`flush` before the checkpoint that frees what it emptied.
+
+Crash safety: the index is persisted by ``flush()`` into one of two checkpoint slots
+(alternating, each with a generation number and a CRC over the whole slot) after the data is
+synced, so after a kill at any moment reopening finds exactly the rows of the last completed
+flush. Until the next flush, no segment the last checkpoint still points into is overwritten:
+those are *pinned*; rows written since the flush go only to free segments or the unused tail
+of the head segment, and are ignored on reopen. Rows rewritten between flushes therefore pin
+their flushed copies; when that is more than the bound leaves room for, the file grows past it
+(with one warning) and shrinks back at a later flush.
+
+On-disk format (one file, ``<table>.log_block_scm.rows``)::
+
+    0                          FileHeader (tier "log_block_scm"), zero padded to 4 KiB
+    4096                       checkpoint slot 0 } header (_CKPT), CRC32, then the index:
+    4096 + checkpoint_bytes    checkpoint slot 1 } num_rows little-endian int64 slots (-1: zero)
+    data_offset                segment 0, segment 1, ... (segment_bytes each)
+
+A row's slot ``s`` lies at ``data_offset + (s // segment_slots) * segment_bytes +
+(s % segment_slots) * row_bytes``. ``data_offset`` (in the FileHeader) is block aligned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from torchrec_mtrains.tiers._blockio import (
+    AlignedBuffer,
+    BufferPool,
+    I64Array,
+    IOEngineKind,
+    ThreadEngine,
+    make_engine,
+    merge_runs,
+    open_block_file,
+    warn_once,
+)
+from torchrec_mtrains.tiers.base import (
+    DATA_OFFSET,
+    HeaderMismatchError,
+    IdArray,
+    OpenMode,
+    RowArray,
+    RowStore,
+    RowStoreError,
+    TierOptions,
+    TierStats,
+    register_tier,
+)
+from torchrec_mtrains.types import RowLayout
+
+CKPT_MAGIC = b"MTRNLOGI"
+# magic, generation, block_size, segment_blocks, segments, head segment, head slot, num_rows,
+# row_bytes; then a CRC32 over those fields and the index.
+_CKPT = struct.Struct("<8sQIIQqqQI")
+_CRC = struct.Struct("<I")
+CKPT_HEADER_BYTES = _CKPT.size + _CRC.size
+assert CKPT_HEADER_BYTES % 8 == 0  # the index that follows is int64-aligned
+
+_RESERVE_SEGMENTS = 3  # capacity beyond the live rows however small the table: head, spare, slack
+_MIN_SEGMENTS = 16  # a small table still spreads over this many segments, so it compacts finely
+_MIN_GAIN = 8  # a compaction victim frees at least 1/8 of a segment
+_FLUSH_ROUNDS = 4  # compaction + checkpoint rounds one flush may run
+_FREE, _USED = 0, 1
+
+U8Array = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class LogBlockScmOptions(TierOptions):
+    """How log-structured block stores are opened.
+
+    Args:
+        block_size: I/O unit and alignment in bytes, a power of two >= 512. A file keeps the
+            block size it was made with (reopening with another is refused).
+        queue_depth: I/Os kept in flight at once (reads, and the pieces of one append).
+        direct: use ``O_DIRECT`` where the file system supports it (else buffered, warning once).
+        engine: ``auto``, ``aio`` or ``threads`` (:class:`IOEngineKind`), as for ``block_scm``.
+        max_io_bytes: cap on one I/O, so an append or a long read spreads over the queue.
+        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
+        segment_bytes: unit of compaction, a multiple of ``block_size`` (small tables use
+            smaller segments). A file keeps the segment size it was made with.
+        max_space_amplification: the file's data region is at most this many times the
+            table's row bytes (or a few segments beyond the live rows for tiny tables); >= 1.1,
+            and the lower it is, the more compaction copies per row written. It holds while
+            the rows rewritten between two flushes fit in the free space a flush leaves (half
+            the dead space the bound allows); beyond that the file grows until a flush.
+
+    Example::
+
+        LogBlockScmOptions(queue_depth=64, max_space_amplification=1.5)
+    """
+
+    tier: ClassVar[str] = "log_block_scm"
+    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth")
+
+    block_size: int = 4096
+    queue_depth: int = 32
+    direct: bool = True
+    engine: IOEngineKind = IOEngineKind.AUTO
+    max_io_bytes: int = 256 << 10
+    max_pass_bytes: int = 64 << 20
+    segment_bytes: int = 4 << 20
+    max_space_amplification: float = 2.0
+
+    def validate(self) -> None:
+        bs = self.block_size
+        if bs < 512 or bs & (bs - 1):
+            raise self.option_error("block_size", f"must be a power of two >= 512, got {bs}")
+        if self.queue_depth < 1:
+            raise self.option_error("queue_depth", f"must be >= 1, got {self.queue_depth}")
+        if self.max_io_bytes < bs:
+            raise self.option_error(
+                "max_io_bytes", f"({self.max_io_bytes}) must be >= block_size ({bs})"
+            )
+        if self.max_pass_bytes < 1:
+            raise self.option_error("max_pass_bytes", f"must be >= 1, got {self.max_pass_bytes}")
+        if self.segment_bytes < bs or self.segment_bytes % bs:
+            raise self.option_error(
+                "segment_bytes",
+                f"must be a positive multiple of block_size ({bs}), got {self.segment_bytes}",
+            )
+        amp = self.max_space_amplification
+        if not (math.isfinite(amp) and amp >= 1.1):
+            raise self.option_error(
+                "max_space_amplification",
+                f"must be a finite number >= 1.1 (compaction needs dead space), got {amp}",
+            )
+
+
+@dataclass(frozen=True)
+class LogGeometry:
+    """Where everything lies in a log file of one table, block size and segment size."""
+
+    block_size: int
+    row_bytes: int
+    num_rows: int
+    segment_bytes: int
+    segment_slots: int  # rows one segment holds
+    checkpoint_bytes: int  # one checkpoint slot
+    data_offset: int  # segment 0
+
+    @classmethod
+    def for_layout(cls, layout: RowLayout, block_size: int, segment_bytes: int) -> LogGeometry:
+        bs, rb = block_size, layout.row_bytes
+        live_blocks = -(-layout.total_bytes // bs)
+        # Small tables get small segments, so compaction works at a finer grain than the table.
+        seg_blocks = min(segment_bytes // bs, max(1, -(-live_blocks // _MIN_SEGMENTS)))
+        seg_blocks = max(seg_blocks, -(-rb // bs))  # a segment holds at least one row
+        page = max(4096, bs)
+        ckpt = -(-(CKPT_HEADER_BYTES + 8 * layout.num_rows) // page) * page
+        data_offset = -(-(DATA_OFFSET + 2 * ckpt) // bs) * bs
+        return cls(
+            bs, rb, layout.num_rows, seg_blocks * bs, seg_blocks * bs // rb, ckpt, data_offset
+        )
+
+    @property
+    def segment_blocks(self) -> int:
+        return self.segment_bytes // self.block_size
+
+    def checkpoint_offset(self, index: int) -> int:
+        return DATA_OFFSET + index * self.checkpoint_bytes
+
+    def capacity(self, max_space_amplification: float) -> int:
+        """Segments the bound allows, but never fewer than the live rows need plus a reserve."""
+        live_segments = -(-self.num_rows // self.segment_slots)
+        bound = int(max_space_amplification * self.num_rows * self.row_bytes) // self.segment_bytes
+        return max(bound, live_segments + _RESERVE_SEGMENTS)
+
+    def offsets(self, slots: I64Array) -> I64Array:
+        """File byte offsets of ``slots``."""
+        seg, within = np.divmod(slots, self.segment_slots)
+        return self.data_offset + seg * self.segment_bytes + within * self.row_bytes
+
+
+@dataclass
+class LogStats:
+    """What the log did beyond the rows it was asked to move (also in :class:`TierStats`'s
+    byte and I/O counts): compaction, checkpoints and growth past the space bound."""
+
+    compacted_rows: int = 0
+    compaction_bytes_read: int = 0
+    compaction_bytes_written: int = 0
+    segments_reclaimed: int = 0
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    grown_segments: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class _Checkpoint:
+    generation: int
+    head_segment: int
+    head_slot: int
+    loc: I64Array = field(repr=False)
+
+
+class _ReadGate:
+    """Lets reads run concurrently with each other and with appends, and lets the writer wait
+    for the reads that started before a segment was freed before it overwrites that segment
+    (a read holds the slots it looked up until its I/O completes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._epoch = 0
+        self._active: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            epoch = self._epoch
+            self._active[epoch] = self._active.get(epoch, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._active[epoch] - 1
+                if left:
+                    self._active[epoch] = left
+                else:
+                    del self._active[epoch]
+                    self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every read that started before this call has finished."""
+        with self._cond:
+            epoch = self._epoch
+            self._epoch += 1
+            self._cond.wait_for(lambda: all(e > epoch for e in self._active))
+
+
+@register_tier
+class LogBlockSCMStore(RowStore):
+    """Rows in a log of segments accessed by aligned block I/O (see the module docstring).
+
+    Args:
+        directory: existing, writable directory for the file (on the SSD).
+        table: table (or shard) name.
+        layout: shape of the rows.
+        mode: what to do with an existing file (see :class:`OpenMode`).
+        options: :class:`LogBlockScmOptions` (defaults if ``None``). ``block_size``,
+            ``queue_depth``, ``direct`` and ``engine`` are kept as attributes, as the block
+            tier does; :attr:`geometry` says where things lie, :attr:`log_stats` what the log did.
+
+    Example::
+
+        store = LogBlockSCMStore("/mnt/nvme0/run1", "t_big", RowLayout(100_000_000, 64, 1))
+        store.write_rows(ids, rows)  # one sequential append
+        store.flush()  # the index is durable: a crash from here on reopens to these rows
+    """
+
+    name: ClassVar[str] = "log_block_scm"
+    options_type: ClassVar[type[TierOptions]] = LogBlockScmOptions
+    options: LogBlockScmOptions
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        table: str,
+        layout: RowLayout,
+        *,
+        mode: OpenMode | str = OpenMode.OPEN_OR_CREATE,
+        options: LogBlockScmOptions | None = None,
+    ) -> None:
+        super().__init__(directory, table, layout, mode=mode, options=options)
+        opts = self.options
+        self.block_size = opts.block_size
+        self.queue_depth = opts.queue_depth
+        self.geometry = geo = LogGeometry.for_layout(layout, opts.block_size, opts.segment_bytes)
+        self.capacity = geo.capacity(opts.max_space_amplification)
+        self._max_io_blocks = opts.max_io_bytes // opts.block_size
+        self._max_pass_blocks = max(1, opts.max_pass_bytes // opts.block_size)
+        self._prepare_file(
+            geo.data_offset,
+            geo.data_offset + self.capacity * geo.segment_bytes,
+            accept_data_offset=lambda offset: True,  # checked below, naming the option
+        )
+        if self.data_offset != geo.data_offset:
+            raise HeaderMismatchError(
+                f"{self.path}: rows start at byte {self.data_offset}, where this table with "
+                f"block_size={opts.block_size} would have them at {geo.data_offset}: the file "
+                f"was made with another block size; set tier 'log_block_scm' option "
+                f"'block_size' to the one it was made with"
+            )
+        try:
+            self._fd, self.direct = open_block_file(
+                self.path, opts.block_size, geo.data_offset, opts.direct, self.name
+            )
+        except OSError as e:
+            raise self._os_error(e, "opening") from e
+        try:
+            self._engine = make_engine(opts.engine, opts.queue_depth, self.direct)
+        except OSError as e:
+            os.close(self._fd)
+            raise self._os_error(e, f"setting up the {opts.engine.value} I/O engine") from e
+        self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
+        self._buffers = BufferPool()
+        self._gate = _ReadGate()
+        self.log_stats = LogStats()
+        self._generation = 0
+        self._freed_since_drain = False
+        try:
+            self._recover()
+        except BaseException:
+            self._close()
+            raise
+        self.log_stats = LogStats()  # opening is not the work a benchmark measures
+        self.stats = TierStats()
+
+    # ------------------------------------------------------------------------ public extras
+
+    @property
+    def segments(self) -> int:
+        """Segments in the file now (more than :attr:`capacity` only while grown)."""
+        return int(self._state.size)
+
+    @property
+    def file_data_bytes(self) -> int:
+        """Bytes of the file's data region: what ``max_space_amplification`` bounds."""
+        return self.segments * self.geometry.segment_bytes
+
+    @property
+    def live_rows(self) -> int:
+        """Rows written at least once (the others read as zeros and take no space)."""
+        return int(self._live.sum())
+
+    # ----------------------------------------------------------------------- state & recovery
+
+    def _recover(self) -> None:
+        """Loads the newest valid checkpoint (none for a new file) and rebuilds the segment
+        table from it; segments written after it are free again."""
+        geo = self.geometry
+        segments = (self._file_size() - geo.data_offset) // geo.segment_bytes
+        ckpt = None if self.created else self._load_checkpoint(segments)
+        if ckpt is None:
+            loc = np.full(self.layout.num_rows, -1, dtype=np.int64)
+            ckpt = _Checkpoint(0, -1, 0, loc)
+        self._install(ckpt, segments)
+        if segments < self.capacity:  # a new file is made at capacity; this grows older ones
+            self._resize(self.capacity)
+        if ckpt.generation == 0:
+            self._checkpoint()
+
+    def _install(self, ckpt: _Checkpoint, segments: int) -> None:
+        ss = self.geometry.segment_slots
+        self._loc = ckpt.loc
+        self._generation = ckpt.generation
+        used = self._loc[self._loc >= 0]
+        self._owner = np.full(segments * ss, -1, dtype=np.int64)
+        self._owner[used] = np.flatnonzero(self._loc >= 0)
+        self._live = np.bincount(used // ss, minlength=segments).astype(np.int64)
+        self._state = np.where(self._live > 0, _USED, _FREE).astype(np.int8)
+        self._pinned = self._live > 0
+        self._head = ckpt.head_segment
+        self._head_slot = ckpt.head_slot
+        if self._head >= 0:
+            self._state[self._head] = _USED
+        self._tail = self._zero_prefix()
+
+    def _zero_prefix(self) -> U8Array:
+        """The head block's bytes before the head slot when no row of it is in memory (after a
+        seal those bytes are padding, never a row that must be kept)."""
+        if self._head < 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.zeros(self._head_slot * self.geometry.row_bytes % self.block_size, np.uint8)
+
+    def _load_checkpoint(self, segments: int) -> _Checkpoint | None:
+        """The newest checkpoint whose CRC holds; ``None`` when none was ever completed. (The
+        older slot may point at segments truncated since: only the newest is checked.)"""
+        geo = self.geometry
+        raw = [self._read_region(geo.checkpoint_offset(i), geo.checkpoint_bytes) for i in (0, 1)]
+        found = [c for c in map(self._parse_checkpoint, raw) if c is not None]
+        if found:
+            newest = max(found, key=lambda c: c.generation)
+            self._check_index(newest, segments)
+            return newest
+        if self._never_checkpointed(raw):
+            return None
+        raise RowStoreError(
+            f"{self.path}: corrupt index: neither checkpoint slot passes its checksum; the "
+            f"rows cannot be located (reopen with mode=truncate to start the table over)"
+        )
+
+    @staticmethod
+    def _never_checkpointed(raw: list[U8Array]) -> bool:
+        # A file killed while being created: both slots zero, or only the first checkpoint
+        # (written before the constructor returns, holding no rows) torn.
+        headers = [bytes(r[: _CKPT.size]) for r in raw]
+        if all(not any(h) for h in headers):
+            return True
+        torn = [h for h in headers if any(h)]
+        return len(torn) == 1 and torn[0][:8] == CKPT_MAGIC and _CKPT.unpack(torn[0])[1] == 1
+
+    def _parse_checkpoint(self, raw: U8Array) -> _Checkpoint | None:
+        geo, n = self.geometry, self.layout.num_rows
+        header = bytes(raw[: _CKPT.size])
+        magic, gen, bs, seg_blocks, _, head, head_slot, num_rows, row_bytes = _CKPT.unpack(header)
+        if magic != CKPT_MAGIC:
+            return None
+        index = raw[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
+        (crc,) = _CRC.unpack_from(raw.data, _CKPT.size)
+        if zlib.crc32(index.data, zlib.crc32(header)) != crc:
+            return None
+        if bs != geo.block_size:
+            raise HeaderMismatchError(
+                f"{self.path}: the file was made with block_size={bs}; tier 'log_block_scm' "
+                f"option 'block_size' is {geo.block_size} (use the file's)"
+            )
+        if (num_rows, row_bytes) != (n, geo.row_bytes):
+            raise RowStoreError(
+                f"{self.path}: corrupt index: a checkpoint for {num_rows} rows of {row_bytes} "
+                f"bytes in a file whose header says {n} rows of {geo.row_bytes} bytes"
+            )
+        if seg_blocks != geo.segment_blocks:
+            raise HeaderMismatchError(
+                f"{self.path}: the file's segments are {seg_blocks * bs} bytes; tier "
+                f"'log_block_scm' option 'segment_bytes'={self.options.segment_bytes} gives "
+                f"{geo.segment_bytes} for this table (use the file's)"
+            )
+        return _Checkpoint(gen, head, head_slot, index.view("<i8").astype(np.int64))
+
+    def _check_index(self, ckpt: _Checkpoint, segments: int) -> None:
+        loc, head, head_slot = ckpt.loc, ckpt.head_segment, ckpt.head_slot
+        used = loc[loc >= 0]
+        limit = segments * self.geometry.segment_slots
+        bad = (
+            (loc < -1).any()
+            or (used >= limit).any()
+            or np.unique(used).size != used.size
+            or not -1 <= head < segments
+            or not 0 <= head_slot <= self.geometry.segment_slots
+        )
+        if bad:
+            raise RowStoreError(
+                f"{self.path}: corrupt index: a checkpoint with a valid checksum points outside "
+                f"the file's {segments} segments or twice at one slot"
+            )
+
+    # ---------------------------------------------------------------------------- raw I/O
+
+    def _file_size(self) -> int:
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError as e:
+            raise self._os_error(e, "reading the file size") from e
+
+    def _run(
+        self,
+        write: bool,
+        buf: AlignedBuffer,
+        buf_offsets: I64Array,
+        file_offsets: I64Array,
+        lengths: I64Array,
+    ) -> int:
+        try:
+            return self._engine.run(self._fd, write, buf, buf_offsets, file_offsets, lengths)
+        except OSError as e:
+            raise self._os_error(e, "writing blocks" if write else "reading blocks") from e
+
+    def _pieces(self, offset: int, nbytes: int) -> tuple[I64Array, I64Array, I64Array]:
+        """A contiguous, block-aligned region as I/Os of at most ``max_io_bytes``: buffer
+        offsets, file offsets and lengths."""
+        step = self._max_io_blocks * self.block_size
+        starts = np.arange(0, nbytes, step, dtype=np.int64)
+        return starts, offset + starts, np.minimum(step, nbytes - starts)
+
+    def _read_region(self, offset: int, nbytes: int) -> U8Array:
+        buf = self._buffers.take(nbytes)
+        try:
+            calls = self._run(False, buf, *self._pieces(offset, nbytes))
+            self._count(bytes_read=nbytes, io_calls=calls)
+            return buf.array[:nbytes].copy()
+        finally:
+            self._buffers.give(buf)
+
+    def _sync(self) -> int:
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            raise self._os_error(e, "syncing") from e
+        return 1
+
+    # -------------------------------------------------------------------------------- reads
+
+    def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
+        with self._gate.reading():
+            slots = self._loc[ids]
+            hit = slots >= 0
+            if hit.all():
+                rows, moved, calls = self._gather(slots)
+                out[...] = rows
+                return moved, calls
+            out[~hit] = 0.0  # never written: a new table reads as zeros
+            if not hit.any():
+                return 0, 0
+            rows, moved, calls = self._gather(slots[hit])
+            out[hit] = rows
+            return moved, calls
+
+    def _gather(self, slots: I64Array) -> tuple[npt.NDArray[Any], int, int]:
+        """Rows at ``slots`` in storage dtype, reading the blocks that cover them in merged
+        runs, in passes of at most ``max_pass_bytes``; returns the rows, bytes and calls."""
+        bs, rb = self.block_size, self.geometry.row_bytes
+        offsets = self.geometry.offsets(slots)
+        order = None
+        if offsets.size > 1 and not (np.diff(offsets) >= 0).all():
+            order = np.argsort(offsets, kind="stable")
+            offsets = offsets[order]
+        first, last = offsets // bs, (offsets + rb - 1) // bs
+        out = np.empty((slots.size, self.layout.row_width), self.layout.dtype.numpy_dtype)
+        moved = calls = 0
+        for part in self._passes(first, last):
+            blocks, buf_pos = _cover(first[part], last[part], offsets[part] % bs, bs)
+            nbytes = blocks.size * bs
+            buf = self._buffers.take(nbytes)
+            try:
+                run_start, run_len = merge_runs(blocks, self._max_io_blocks)
+                calls += self._run(False, buf, run_start * bs, blocks[run_start] * bs, run_len * bs)
+                elements = buf.array[:nbytes].view(self.layout.dtype.numpy_dtype)
+                index = (buf_pos // self.layout.dtype.itemsize)[:, None] + np.arange(
+                    self.layout.row_width, dtype=np.int64
+                )
+                out[part if order is None else order[part]] = elements[index]
+            finally:
+                self._buffers.give(buf)
+            moved += nbytes
+        return out, moved, calls
+
+    def _passes(self, first: I64Array, last: I64Array) -> list[slice]:
+        """Slices of offset-sorted rows whose covering blocks fit ``max_pass_bytes``."""
+        n = first.size
+        prev_last = np.concatenate(([-1], np.maximum.accumulate(last)[:-1]))
+        added = np.maximum(last - np.maximum(first, prev_last + 1) + 1, 0)
+        total = np.cumsum(added)
+        budget = self._max_pass_blocks
+        if int(total[-1]) <= budget:
+            return [slice(0, n)]
+        cuts = np.searchsorted(total, np.arange(budget, int(total[-1]), budget), side="right")
+        bounds = np.unique(np.concatenate(([0], cuts, [n]))).tolist()
+        return [slice(a, b) for a, b in pairwise(bounds)]
+
+    # ------------------------------------------------------------------------------- writes
+
+    def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
+        data = rows.astype(self.layout.dtype.numpy_dtype, copy=False)
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(ids.size, -1)
+        per_pass = max(1, self._max_pass_blocks * self.block_size // self.geometry.row_bytes)
+        moved = calls = 0
+        for start in range(0, ids.size, per_pass):
+            part = slice(start, start + per_pass)
+            count = raw[part].shape[0]
+            self._make_room(count)
+            m, c = self._append(ids[part], raw[part])
+            moved, calls = moved + m, calls + c
+        return moved, calls
+
+    def _available(self) -> int:
+        """Slots writable now without compaction: the head's rest and the free segments."""
+        ss = self.geometry.segment_slots
+        head_room = ss - self._head_slot if self._head >= 0 else 0
+        return head_room + int(np.count_nonzero(self._state == _FREE)) * ss
+
+    def _make_room(self, count: int) -> None:
+        """Frees segments until ``count`` rows fit with a segment to spare for compaction:
+        compacts segments written since the last flush (the others are pinned by it), or
+        grows the file past the bound when none has enough dead rows."""
+        need = count + self.geometry.segment_slots
+        while (available := self._available()) < need:
+            victim = self._pick_victim(pinned_ok=False)
+            if victim is None or self._live[victim] > available:
+                self._grow(-(-(need - available) // self.geometry.segment_slots))
+                return
+            self._evacuate(victim)
+
+    def _append(self, ids: IdArray, raw: U8Array) -> tuple[int, int]:
+        """Writes ``raw`` rows as the next slots of the log, in one engine call, then points
+        the index at them. Returns bytes written and calls."""
+        bs, rb, ss = self.block_size, self.geometry.row_bytes, self.geometry.segment_slots
+        continuing = self._head >= 0 and self._head_slot < ss
+        prefix = self._tail if continuing else np.zeros(0, dtype=np.uint8)
+        pieces = self._claim(ids.size)
+        regions = [_Region.of(seg, a, k, rb, bs) for seg, a, k in pieces]
+        nbytes = sum(r.nbytes for r in regions)
+        buf = self._buffers.take(nbytes)
+        try:
+            io: list[tuple[I64Array, I64Array, I64Array]] = []
+            pos = done = 0
+            for i, region in enumerate(regions):
+                view = buf.array[pos : pos + region.nbytes]
+                view[: region.skip] = prefix if i == 0 else 0
+                view[region.skip : region.end] = raw[done : done + region.count].reshape(-1)
+                view[region.end :] = 0
+                b, f, n = self._pieces(self._region_offset(region), region.nbytes)
+                io.append((b + pos, f, n))
+                pos, done = pos + region.nbytes, done + region.count
+            buf_offsets, file_offsets, lengths = (np.concatenate(col) for col in zip(*io))
+            calls = self._run(True, buf, buf_offsets, file_offsets, lengths)
+            self._tail = self._tail_of(buf.array[pos - regions[-1].nbytes : pos], regions[-1].end)
+        except BaseException:
+            self._head, self._head_slot = -1, 0  # head block unknown: use a new one
+            raise
+        finally:
+            self._buffers.give(buf)
+        new = [np.arange(s * ss + a, s * ss + a + k, dtype=np.int64) for s, a, k in pieces]
+        self._point(ids, np.concatenate(new))
+        return nbytes, calls
+
+    def _region_offset(self, region: _Region) -> int:
+        geo = self.geometry
+        return (
+            geo.data_offset
+            + region.segment * geo.segment_bytes
+            + region.first_block * geo.block_size
+        )
+
+    def _tail_of(self, region: U8Array, end: int) -> U8Array:
+        """The bytes of the region's last block up to ``end``: what the next append must
+        write again before its first row when it starts in that block."""
+        if end % self.block_size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return region[end // self.block_size * self.block_size : end].copy()
+
+    def _claim(self, count: int) -> list[tuple[int, int, int]]:
+        """Reserves the next ``count`` slots: ``(segment, first slot, rows)`` pieces, the
+        head's rest first, then free segments (lowest first, so the file's tail empties)."""
+        ss = self.geometry.segment_slots
+        pieces = []
+        while count:
+            if self._head < 0 or self._head_slot >= ss:
+                self._head, self._head_slot = self._allocate(), 0
+            k = min(count, ss - self._head_slot)
+            pieces.append((self._head, self._head_slot, k))
+            self._head_slot += k
+            count -= k
+        return pieces
+
+    def _allocate(self) -> int:
+        free = np.flatnonzero(self._state == _FREE)
+        if not free.size:
+            raise RowStoreError(f"{self.path}: internal error: no free segment to append to")
+        if self._freed_since_drain:  # reads that looked up rows there before must finish
+            self._gate.drain()
+            self._freed_since_drain = False
+        segment = int(free[0])
+        self._state[segment] = _USED
+        return segment
+
+    def _point(self, ids: IdArray, new: I64Array) -> None:
+        """Points ``ids`` at ``new`` slots (now on the medium) and frees segments left empty."""
+        ss = self.geometry.segment_slots
+        old = self._loc[ids]
+        old = old[old >= 0]
+        self._loc[ids] = new
+        self._owner[new] = ids
+        self._live += np.bincount(new // ss, minlength=self._live.size)
+        emptied = old // ss
+        self._live -= np.bincount(emptied, minlength=self._live.size)
+        self._free_empty(np.unique(emptied))
+
+    def _free_empty(self, segments: I64Array) -> None:
+        """Frees those of ``segments`` that hold no row and no row of the last checkpoint."""
+        empty = segments[(self._live[segments] == 0) & ~self._pinned[segments]]
+        empty = empty[(self._state[empty] == _USED) & (empty != self._head)]
+        if empty.size:
+            self._state[empty] = _FREE
+            self._freed_since_drain = True
+            self.log_stats.segments_reclaimed += int(empty.size)
+
+    # --------------------------------------------------------------------------- compaction
+
+    def _pick_victim(self, pinned_ok: bool) -> int | None:
+        """The emptiest segment whose compaction frees a useful share of it: at a flush
+        (``pinned_ok``: freed by the next checkpoint) 1/8; between flushes, where only
+        segments written since the last one can be freed, 1/4 (copying fuller segments costs
+        more I/O than the space is worth: the file grows instead until the next flush)."""
+        ss = self.geometry.segment_slots
+        candidates = (self._state == _USED) & (self._live > 0)
+        candidates &= self._live <= ss - max(1, ss // (_MIN_GAIN if pinned_ok else _MIN_GAIN // 2))
+        if not pinned_ok:
+            candidates &= ~self._pinned
+        if self._head >= 0:
+            candidates[self._head] = False
+        found = np.flatnonzero(candidates)
+        return int(found[np.argmin(self._live[found])]) if found.size else None
+
+    def _evacuate(self, segment: int) -> None:
+        """Copies the live rows of ``segment`` to the head (the caller made room for them)."""
+        ss = self.geometry.segment_slots
+        slots = np.arange(segment * ss, (segment + 1) * ss, dtype=np.int64)
+        owners = self._owner[slots]
+        live = owners >= 0
+        live[live] = self._loc[owners[live]] == slots[live]
+        ids = owners[live]
+        if not ids.size:
+            return
+        rows, read, read_calls = self._gather(slots[live])
+        written, write_calls = self._append(ids, rows.view(np.uint8).reshape(ids.size, -1))
+        self._count(bytes_read=read, bytes_written=written, io_calls=read_calls + write_calls)
+        stats = self.log_stats
+        stats.compacted_rows += int(ids.size)
+        stats.compaction_bytes_read += read
+        stats.compaction_bytes_written += written
+
+    def _grow(self, segments: int) -> None:
+        warn_once(
+            f"log-grow-{self.path}",
+            "%s: rows rewritten since the last flush() pin their flushed copies, and too few "
+            "rows written since are dead to reclaim: the file grows past tier 'log_block_scm' "
+            "option 'max_space_amplification'=%s until a later flush() (flush more often or "
+            "raise it)",
+            self.path,
+            self.options.max_space_amplification,
+        )
+        extra = max(segments, self.capacity // 16)
+        self._resize(self.segments + extra)
+        self.log_stats.grown_segments += extra
+
+    def _resize(self, segments: int) -> None:
+        """Extends or truncates the file to ``segments`` (truncated ones must be free)."""
+        geo, old = self.geometry, self.segments
+        try:
+            if segments > old:
+                os.posix_fallocate(self._fd, 0, geo.data_offset + segments * geo.segment_bytes)
+            else:
+                os.ftruncate(self._fd, geo.data_offset + segments * geo.segment_bytes)
+        except OSError as e:
+            raise self._os_error(e, f"resizing to {segments} segments") from e
+        extra = segments - old
+        if extra >= 0:
+            ss = geo.segment_slots
+            self._owner = np.concatenate((self._owner, np.full(extra * ss, -1, np.int64)))
+            self._live = np.concatenate((self._live, np.zeros(extra, np.int64)))
+            self._state = np.concatenate((self._state, np.full(extra, _FREE, np.int8)))
+            self._pinned = np.concatenate((self._pinned, np.zeros(extra, bool)))
+        else:
+            self._owner = self._owner[: segments * geo.segment_slots]
+            self._live, self._state = self._live[:segments], self._state[:segments]
+            self._pinned = self._pinned[:segments]
+
+    # ------------------------------------------------------------------------ flush & close
+
+    def _flush(self) -> int:
+        """Compacts, then checkpoints: one checkpoint records the written rows and frees the
+        segments compaction emptied. Another round (and checkpoint) only while rows sit past
+        the bound or the free target is missed, and the last round moved rows or freed room
+        for compaction to move more."""
+        calls = 0
+        for _ in range(_FLUSH_ROUNDS):
+            moved = self._compact_for_flush()
+            free = self._available()
+            calls += self._checkpoint()
+            progress = moved or self._available() > free
+            short = self._free_after_checkpoint() < self._free_target()
+            if not (progress and (short or self._live[self.capacity :].any())):
+                break
+        return calls + self._shrink()
+
+    def _seal_head(self) -> None:
+        """Moves the head past its last written block, so no later append rewrites a block
+        holding rows a checkpoint makes durable (a torn rewrite could lose them, and after a
+        reopen the head block's earlier bytes are not in memory)."""
+        if self._head < 0:
+            return
+        rb, bs = self.geometry.row_bytes, self.block_size
+        end = self._head_slot * rb
+        if end % bs:  # first slot starting in a block no written row reaches into
+            self._head_slot = _ceil_div(_ceil_div(end, bs) * bs, rb)
+        if self._head_slot >= self.geometry.segment_slots or self._head >= self.capacity:
+            self._head, self._head_slot = -1, 0
+        self._tail = self._zero_prefix()
+
+    def _checkpoint(self) -> int:
+        """Makes the data durable, then the index, into the older checkpoint slot; then
+        unpins what the previous checkpoint held and frees segments left empty."""
+        geo, n = self.geometry, self.layout.num_rows
+        self._seal_head()
+        calls = self._sync()
+        gen = self._generation + 1
+        header = _CKPT.pack(
+            CKPT_MAGIC, gen, geo.block_size, geo.segment_blocks, self.segments,
+            self._head, self._head_slot, n, geo.row_bytes,
+        )  # fmt: skip
+        index = self._loc.astype("<i8", copy=False).view(np.uint8)
+        crc = zlib.crc32(index.data, zlib.crc32(header))
+        buf = self._buffers.take(geo.checkpoint_bytes)
+        try:
+            view = buf.array[: geo.checkpoint_bytes]
+            view[: _CKPT.size] = np.frombuffer(header, np.uint8)
+            view[_CKPT.size : CKPT_HEADER_BYTES] = np.frombuffer(_CRC.pack(crc), np.uint8)
+            view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n] = index
+            view[CKPT_HEADER_BYTES + 8 * n :] = 0
+            offset = geo.checkpoint_offset(gen % 2)
+            calls += self._run(True, buf, *self._pieces(offset, geo.checkpoint_bytes))
+        finally:
+            self._buffers.give(buf)
+        calls += self._sync()
+        self._generation = gen
+        self._count(bytes_written=geo.checkpoint_bytes)
+        self.log_stats.checkpoints += 1
+        self.log_stats.checkpoint_bytes += geo.checkpoint_bytes
+        self._pinned = self._live > 0
+        self._free_empty(np.flatnonzero(self._state == _USED))
+        return calls
+
+    def _free_target(self) -> int:
+        """Free segments a flush leaves: half the dead space the bound allows, so the writes
+        until the next flush rarely need the segments it pins."""
+        dead_share = 1.0 - 1.0 / self.options.max_space_amplification
+        return max(2, math.ceil(self.capacity * dead_share / 2))
+
+    def _free_after_checkpoint(self) -> int:
+        """Segments within the bound that are free, or will be once a checkpoint unpins them."""
+        state, live = self._state[: self.capacity], self._live[: self.capacity]
+        empty = (state == _FREE) | ((state == _USED) & (live == 0))
+        if 0 <= self._head < self.capacity:
+            empty[self._head] = False
+        return int(np.count_nonzero(empty))
+
+    def _compact_for_flush(self) -> bool:
+        """Moves the rows of segments past the bound, then of the emptiest segments until
+        the free target is in reach; the checkpoint that follows frees them. Returns whether
+        it moved anything."""
+        moved = False
+        spilled = np.flatnonzero(self._live[self.capacity :] > 0) + self.capacity
+        for segment in spilled.tolist():
+            if segment == self._head or self._live[segment] > self._available():
+                continue
+            self._evacuate(segment)
+            moved = True
+        while self._free_after_checkpoint() < self._free_target():
+            victim = self._pick_victim(pinned_ok=True)
+            if victim is None or self._live[victim] > self._available():
+                break
+            self._evacuate(victim)
+            moved = True
+        return moved
+
+    def _shrink(self) -> int:
+        """Truncates free segments past the bound off the end of the file."""
+        keep = self.segments
+        while keep > self.capacity and self._state[keep - 1] == _FREE and keep - 1 != self._head:
+            keep -= 1
+        if keep == self.segments:
+            return 0
+        if self._freed_since_drain:
+            self._gate.drain()
+            self._freed_since_drain = False
+        self._resize(keep)
+        return 1
+
+    def _close(self) -> None:
+        self._engine.close()
+        os.close(self._fd)
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The blocks one append writes in one segment: ``count`` rows from slot ``first``,
+    ``skip`` bytes after the region's first block start, ending ``end`` bytes into it."""
+
+    segment: int
+    count: int
+    first_block: int
+    skip: int
+    end: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, segment: int, first: int, count: int, row_bytes: int, block_size: int) -> _Region:
+        start, stop = first * row_bytes, (first + count) * row_bytes
+        first_block = start // block_size
+        base = first_block * block_size
+        nbytes = -(-stop // block_size) * block_size - base
+        return cls(segment, count, first_block, start - base, stop - base, nbytes)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cover(
+    first: I64Array, last: I64Array, within: I64Array, block_size: int
+) -> tuple[I64Array, I64Array]:
+    """The sorted unique blocks covering rows spanning ``first..last`` (placed back to back
+    in a buffer) and each row's byte position in that buffer."""
+    span = last - first + 1
+    if int(span.max()) == 1:
+        covering = first
+    else:
+        within_row = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        covering = np.repeat(first, span) + within_row
+    blocks = np.unique(covering)
+    return blocks, np.searchsorted(blocks, first) * block_size + within
