@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError, TableCache
+
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "numba", marks=pytest.mark.skipif(not NUMBA_AVAILABLE, reason="numba is not installed")
+    ),
+]
 
 
 def assert_counts_consistent(cache: TableCache) -> None:
@@ -15,10 +23,11 @@ def assert_counts_consistent(cache: TableCache) -> None:
     assert cache._num_free == int((cache.slot_to_id < 0).sum())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_counts_follow_holds_pins_evictions_and_clear(policy: str) -> None:
+def test_counts_follow_holds_pins_evictions_and_clear(policy: str, backend: str) -> None:
     g = torch.Generator().manual_seed(0)
-    cache = TableCache("t", num_rows=1000, num_slots=64, policy=policy)
+    cache = TableCache("t", num_rows=1000, num_slots=64, policy=policy, backend=backend)
     held: list[torch.Tensor] = []
     for step in range(300):
         ids = torch.unique(torch.randint(0, 1000, (10,), generator=g))
@@ -41,8 +50,9 @@ def test_counts_follow_holds_pins_evictions_and_clear(policy: str) -> None:
     assert cache.stats.evictions > 0
 
 
-def test_a_repeated_slot_counts_once() -> None:
-    cache = TableCache("t", num_rows=10, num_slots=4)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeated_slot_counts_once(backend: str) -> None:
+    cache = TableCache("t", num_rows=10, num_slots=4, backend=backend)
     slots = cache.plan(torch.tensor([1, 2])).slots
     cache.hold(torch.cat([slots[:1], slots[:1]]))  # held twice
     assert cache._num_reserved == 1
@@ -53,8 +63,9 @@ def test_a_repeated_slot_counts_once() -> None:
     assert_counts_consistent(cache)
 
 
-def test_held_slots_are_never_evicted_and_capacity_counts_them() -> None:
-    cache = TableCache("t", num_rows=100, num_slots=6)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_held_slots_are_never_evicted_and_capacity_counts_them(backend: str) -> None:
+    cache = TableCache("t", num_rows=100, num_slots=6, backend=backend)
     first = cache.plan(torch.tensor([0, 1, 2, 3]))
     cache.hold(first.slots)
     second = cache.plan(torch.tensor([4, 5]))  # fills the free slots
@@ -63,5 +74,21 @@ def test_held_slots_are_never_evicted_and_capacity_counts_them() -> None:
         cache.plan(torch.tensor([6, 7, 8]))
     assert_counts_consistent(cache)
     third = cache.plan(torch.tensor([6, 7]))  # evicts 4 and 5, never the held rows
-    assert set(third.evict_ids.tolist()) == {4, 5}
+    assert third.evict_ids.tolist() == [4, 5]  # equal recency: in slot order
     assert_counts_consistent(cache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_follow_the_policy_order(policy: str, backend: str) -> None:
+    """LRU evicts the oldest use; LFU the fewest uses, then the oldest; ties by slot."""
+    cache = TableCache("t", num_rows=100, num_slots=4, policy=policy, backend=backend)
+    cache.plan(torch.tensor([10, 11, 12, 13]))  # slots 0..3, step 1
+    cache.plan(torch.tensor([10, 11]))  # step 2
+    cache.plan(torch.tensor([10, 11]))  # step 3
+    cache.plan(torch.tensor([12]))  # step 4
+    plan = cache.plan(torch.tensor([20, 21]))
+    # lru, last use: 13@1, 10@3, 11@3, 12@4; lfu, (count, last use): 13 (1, 1), 12 (2, 4), ...
+    assert plan.evict_ids.tolist() == ([13, 10] if policy == "lru" else [13, 12])
+    assert plan.load_ids.tolist() == [20, 21]
+    assert plan.load_slots.tolist() == cache.lookup(torch.tensor([20, 21])).tolist()

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from torchrec_mtrains.cache.policies import CachePolicy, make_policy
+from torchrec_mtrains.cache import kernels
+from torchrec_mtrains.cache.policies import CachePolicy, RecencyFrequencyPolicy, make_policy
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+
+BACKENDS = ("auto", "numba", "torch")
 
 
 class CacheTooSmallError(ValueError):
@@ -64,6 +70,19 @@ class CachePlan:
     evict_dirty: torch.Tensor
 
 
+class _Views(NamedTuple):
+    """numpy views of a cache's CPU tensors (and its scratch flags), for the compiled kernels.
+    Made once: the tensors are only ever updated in place."""
+
+    id_to_slot: np.ndarray
+    slot_to_id: np.ndarray
+    dirty: np.ndarray
+    pinned: np.ndarray
+    holds: np.ndarray
+    reserved: np.ndarray
+    mark: np.ndarray
+
+
 class TableCache:
     """Slot map and eviction decisions for one table (shard) of ``num_rows`` rows.
 
@@ -71,7 +90,12 @@ class TableCache:
         table: name used in error messages.
         num_rows: rows in the table shard.
         num_slots: cache capacity in rows.
-        policy: eviction policy name (see ``POLICIES``) or instance.
+        policy: eviction policy name (see ``POLICIES``) or instance (on ``device``).
+        device: where the bookkeeping tensors live (CPU unless given).
+        backend: ``"numba"``: compiled kernels that run each call without the GIL (CPU
+            bookkeeping, the built-in policies); ``"torch"``: vectorized torch ops, on any
+            device and with any policy; ``"auto"``: numba where possible, else torch. Both give
+            the same plans and state.
 
     Example::
 
@@ -81,37 +105,104 @@ class TableCache:
     """
 
     def __init__(
-        self, table: str, num_rows: int, num_slots: int, policy: str | CachePolicy = "lru"
+        self,
+        table: str,
+        num_rows: int,
+        num_slots: int,
+        policy: str | CachePolicy = "lru",
+        *,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"table {table!r}: cache must hold at least one row, got {num_slots}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.table = table
         self.num_rows = num_rows
         self.num_slots = num_slots
-        self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
-        self.id_to_slot = torch.full((num_rows,), -1, dtype=torch.int32)
-        self.slot_to_id = torch.full((num_slots,), -1, dtype=torch.int64)
-        self.dirty = torch.zeros(num_slots, dtype=torch.bool)
-        self.pinned = torch.zeros(num_slots, dtype=torch.bool)
+        self.device = torch.device("cpu" if device is None else device)
+        self._want_kernels = None if backend == "auto" else backend == "numba"
+        self.policy = self._new_policy(policy)
+        if self.policy.device != self.device:
+            raise ValueError(
+                f"table {table!r}: policy state on {self.policy.device}, bookkeeping on "
+                f"{self.device}"
+            )
+        kernels_ok = isinstance(self.policy, RecencyFrequencyPolicy) and self.policy.uses_kernels
+        if backend == "numba" and not kernels_ok:
+            raise ValueError(
+                f"table {table!r}: the numba backend needs numba, CPU bookkeeping and a built-in "
+                f"policy (device {self.device}, policy {self.policy.name!r})"
+            )
+        self.backend = "numba" if kernels_ok and backend != "torch" else "torch"
+        on = self.device
+        self.id_to_slot = torch.full((num_rows,), -1, dtype=torch.int32, device=on)
+        self.slot_to_id = torch.full((num_slots,), -1, dtype=torch.int64, device=on)
+        self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=on)
+        self.pinned = torch.zeros(num_slots, dtype=torch.bool, device=on)
         # Reference counts of batches in flight that still need a slot (look-ahead pipeline).
-        self.holds = torch.zeros(num_slots, dtype=torch.int32)
+        self.holds = torch.zeros(num_slots, dtype=torch.int32, device=on)
         # pinned | held, kept up to date (only the slots a call touches) so the per-batch
         # capacity check and hold/release cost O(batch), not O(cache).
-        self._reserved = torch.zeros(num_slots, dtype=torch.bool)
+        self._reserved = torch.zeros(num_slots, dtype=torch.bool, device=on)
         self._num_reserved = 0
-        # Slots never filled (or emptied by clear()): once the cache is full, planning skips
-        # looking for them.
+        # Slots never filled (or emptied by clear()). Free slots are taken in ascending order
+        # and only clear() empties slots, so they are always the last ``_num_free`` slots.
         self._num_free = num_slots
         self.stats = CacheStats()
         self._step = 0
+        # The numba backend's arrays, made once (the per-call glue holds the GIL), with a
+        # scratch flag per slot (all false between calls).
+        self._np: _Views | None = None
+        if self.backend == "numba":
+            self._np = _Views(
+                self.id_to_slot.numpy(),
+                self.slot_to_id.numpy(),
+                self.dirty.numpy(),
+                self.pinned.numpy(),
+                self.holds.numpy(),
+                self._reserved.numpy(),
+                np.zeros(num_slots, dtype=np.bool_),
+            )
+
+    def _new_policy(self, policy: str | CachePolicy) -> CachePolicy:
+        if not isinstance(policy, str):
+            return policy
+        return make_policy(
+            policy, self.num_slots, device=self.device, use_kernels=self._want_kernels
+        )
 
     # ----------------------------------------------------------------------------- planning
 
     def plan(self, ids: torch.Tensor, *, count_stats: bool = True) -> CachePlan:
         """Assigns slots to the unique row ids ``ids`` and updates the maps as if the plan's
         loads and evictions had happened. The caller must carry them out before using the
-        slots (write back dirty victims, then load)."""
-        ids = ids.to(torch.int64)
+        slots (write back dirty victims, then load).
+
+        Misses take the free slots first (ascending), then victims in the policy's order
+        (:func:`~torchrec_mtrains.cache.policies.select_lowest`), in the order of ``ids``. A
+        batch that does not fit raises :class:`CacheTooSmallError` and changes nothing."""
+        ids = self._int64(ids)
+        step = self._step + 1
+        v = self._np
+        if v is not None:
+            plan, n_dirty = self._plan_kernels(ids, step, v)
+        else:
+            plan, n_dirty = self._plan_torch(ids, step)
+        self._step = step
+        if count_stats:
+            n, n_miss = int(ids.numel()), int(plan.load_ids.numel())
+            self.stats.lookups += n
+            self.stats.misses += n_miss
+            self.stats.hits += n - n_miss
+            self.stats.evictions += int(plan.evict_slots.numel())
+            self.stats.writebacks += n_dirty
+        return plan
+
+    def _plan_torch(self, ids: torch.Tensor, step: int) -> tuple[CachePlan, int]:
+        """:meth:`plan` in torch ops (any device, any policy); the reference semantics."""
+        self._check_ids(ids)
         slots = self.id_to_slot[ids].to(torch.int64)
         hit = slots >= 0
         miss_ids = ids[~hit]
@@ -120,25 +211,22 @@ class TableCache:
         error = self._capacity_error(ids, slots, hit)
         if error is not None:
             raise error
-        self._step += 1
-        if count_stats:
-            self.stats.lookups += int(ids.numel())
-            self.stats.misses += n_miss
-            self.stats.hits += int(ids.numel()) - n_miss
-        empty = torch.empty(0, dtype=torch.int64)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if n_miss == 0:
-            self.policy.on_access(slots, self._step)
-            return CachePlan(slots, empty, empty, empty, empty, torch.empty(0, dtype=torch.bool))
+            self.policy.on_access(slots, step)
+            return CachePlan(slots, empty, empty, empty, empty, empty.to(torch.bool)), 0
 
-        protected = self._reserved.clone()
-        protected[slots[hit]] = True
-        free = torch.nonzero(self.slot_to_id < 0).flatten() if self._num_free else empty
-        load_slots = free[:n_miss]
-        self._num_free -= int(load_slots.numel())
-        n_evict = n_miss - int(load_slots.numel())
-        if n_evict > 0:
-            protected[free] = True
-            victims = self.policy.choose_victims(n_evict, protected)
+        first_free = self.num_slots - self._num_free
+        n_free = min(n_miss, self._num_free)
+        load_slots = torch.arange(first_free, first_free + n_free, device=self.device)
+        self._num_free -= n_free
+        if n_miss > n_free:
+            # Protected besides the reserved slots: this batch's hits and the free slots it
+            # fills (all of them: they did not suffice).
+            protected = self._reserved.clone()
+            protected[slots[hit]] = True
+            protected[load_slots] = True
+            victims = self.policy.choose_victims(n_miss - n_free, protected)
             load_slots = torch.cat([load_slots, victims])
         else:
             victims = empty
@@ -150,18 +238,73 @@ class TableCache:
         self.id_to_slot[miss_ids] = load_slots.to(torch.int32)
         self.slot_to_id[load_slots] = miss_ids
         self.dirty[load_slots] = False
-        self.policy.on_insert(load_slots, self._step)
+        self.policy.on_insert(load_slots, step)
         slots[~hit] = load_slots
-        self.policy.on_access(slots, self._step)
-        if count_stats:
-            self.stats.evictions += int(victims.numel())
-            self.stats.writebacks += int(evict_dirty.sum())
-        return CachePlan(slots, miss_ids, load_slots, evict_ids, victims, evict_dirty)
+        self.policy.on_access(slots, step)
+        plan = CachePlan(slots, miss_ids, load_slots, evict_ids, victims, evict_dirty)
+        return plan, int(evict_dirty.sum())
+
+    def _plan_kernels(self, ids: torch.Tensor, step: int, v: _Views) -> tuple[CachePlan, int]:
+        """:meth:`plan` in one compiled call that releases the GIL (CPU, built-in policies)."""
+        policy = self.policy
+        assert isinstance(policy, RecencyFrequencyPolicy)
+        assert policy.lists is not None
+        lists = policy.lists
+        ids_np = ids.contiguous().numpy()
+        (status, n_miss, hit_unreserved, extra, accesses, slots, load_ids, load_slots, evict_ids,
+         evict_dirty) = kernels.plan(
+            ids_np,
+            step,
+            self._num_free,
+            self._num_reserved,
+            v.id_to_slot,
+            v.slot_to_id,
+            v.dirty,
+            v.reserved,
+            v.mark,
+            lists.last_use,
+            lists.count,
+            lists.prev,
+            lists.next,
+            lists.head,
+            lists.tail,
+            policy._accesses_since_decay,
+            policy._decay_interval,
+        )  # fmt: skip
+        if status == kernels.BAD_INDEX:
+            raise self._bad_id(extra)
+        if status == kernels.NO_ROOM:
+            raise self._no_room(int(ids.numel()), n_miss, hit_unreserved)
+        if status != kernels.OK:
+            raise RuntimeError(f"table {self.table!r}: cache bookkeeping is inconsistent")
+        policy._accesses_since_decay = accesses
+        self._num_free -= extra
+        evict_slots = load_slots[extra:]
+        plan = CachePlan(
+            torch.from_numpy(slots),
+            torch.from_numpy(load_ids),
+            torch.from_numpy(load_slots),
+            torch.from_numpy(evict_ids),
+            torch.from_numpy(evict_slots),
+            torch.from_numpy(evict_dirty),
+        )
+        return plan, int(np.count_nonzero(evict_dirty))
 
     def check_fits(self, ids: torch.Tensor) -> None:
         """Raises :class:`CacheTooSmallError` if :meth:`plan` would refuse the unique row ids
         ``ids``; changes nothing. Lets a caller check every table before planning any."""
-        ids = ids.to(torch.int64)
+        ids = self._int64(ids)
+        v = self._np
+        if v is not None:
+            status, n_miss, hit_unreserved, bad = kernels.capacity(
+                ids.contiguous().numpy(), v.id_to_slot, v.reserved
+            )
+            if status == kernels.BAD_INDEX:
+                raise self._bad_id(bad)
+            if n_miss > self.num_slots - self._num_reserved - hit_unreserved:
+                raise self._no_room(int(ids.numel()), n_miss, hit_unreserved)
+            return
+        self._check_ids(ids)
         slots = self.id_to_slot[ids].to(torch.int64)
         error = self._capacity_error(ids, slots, slots >= 0)
         if error is not None:
@@ -178,20 +321,40 @@ class TableCache:
         if n_miss == 0:
             return None
         hit_unreserved = int((~self._reserved[slots[hit]]).sum())
-        available = self.num_slots - self._num_reserved - hit_unreserved
-        if n_miss <= available:
+        if n_miss <= self.num_slots - self._num_reserved - hit_unreserved:
             return None
-        others = self._num_reserved - (int(hit.sum()) - hit_unreserved)
+        return self._no_room(int(ids.numel()), n_miss, hit_unreserved)
+
+    def _no_room(self, n_ids: int, n_miss: int, hit_unreserved: int) -> CacheTooSmallError:
+        others = self._num_reserved - (n_ids - n_miss - hit_unreserved)
         return CacheTooSmallError(
             f"table {self.table!r}: cache of {self.num_slots} rows cannot hold this batch: "
-            f"it needs {int(ids.numel())} unique rows at once while {others} slots are "
+            f"it needs {n_ids} unique rows at once while {others} slots are "
             f"pinned or held by batches in flight; a cache of at least "
-            f"{int(ids.numel()) + others} rows is needed"
+            f"{n_ids + others} rows is needed"
         )
+
+    def _int64(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as int64 on the bookkeeping device, without a torch call (each can hand the GIL
+        to another thread and wait to get it back) when it already is."""
+        if t.dtype == torch.int64 and t.device == self.device:
+            return t
+        return t.to(self.device, torch.int64)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Refuses ids out of range (torch would wrap negative ones around), as the kernels do."""
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= self.num_rows:
+                raise self._bad_id(int(ids[(ids < 0) | (ids >= self.num_rows)][0]))
+
+    def _bad_id(self, row: int) -> IndexError:
+        """The error for the first id of a call that is out of range."""
+        return IndexError(f"table {self.table!r}: row id {row} out of range [0, {self.num_rows})")
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids``, -1 where not resident. Does not touch the policy."""
-        return self.id_to_slot[ids.to(torch.int64)].to(torch.int64)
+        return self.id_to_slot[ids.to(self.device, torch.int64)].to(torch.int64)
 
     # --------------------------------------------------------------------------- mutations
 
@@ -201,11 +364,22 @@ class TableCache:
     def hold(self, slots: torch.Tensor) -> None:
         """Protects ``slots`` from eviction until a matching :meth:`release` (rows of batches
         between their forward and backward, or prefetched for a batch not yet run)."""
-        self.holds.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-        self._update_reserved(slots)
+        self._add_holds(slots, 1)
 
     def release(self, slots: torch.Tensor) -> None:
-        self.holds.index_add_(0, slots, -torch.ones_like(slots, dtype=torch.int32))
+        self._add_holds(slots, -1)
+
+    def _add_holds(self, slots: torch.Tensor, delta: int) -> None:
+        v = self._np
+        if v is not None:
+            status, change = kernels.hold(
+                self._int64(slots).contiguous().numpy(), delta, v.holds, v.pinned, v.reserved
+            )
+            if status != kernels.OK:
+                raise IndexError(f"table {self.table!r}: slot out of range [0, {self.num_slots})")
+            self._num_reserved += change
+            return
+        self.holds.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
         self._update_reserved(slots)
 
     def pin(self, slots: torch.Tensor) -> None:
@@ -249,7 +423,7 @@ class TableCache:
         self.holds.zero_()
         self._update_reserved()
         self._num_free = self.num_slots
-        self.policy = make_policy(self.policy.name, self.num_slots)
+        self.policy = self._new_policy(self.policy.name)
 
     @property
     def num_resident(self) -> int:

@@ -1,0 +1,411 @@
+"""Compiled kernels of the row cache's per-batch bookkeeping, run without the GIL.
+
+The tier-I/O worker plans batches while the training thread runs Python; planning in Python or
+in many small torch calls holds (or keeps re-taking) the GIL, so the two threads share one core.
+These numba kernels do a whole table's step (id -> slot gather, capacity check, victim choice,
+map and policy updates) in one call with the GIL released. They implement exactly the semantics
+of the torch path (``policies.select_lowest`` and the policies' ``on_access`` / ``on_insert``),
+which stays the reference and runs wherever the kernels cannot (CUDA bookkeeping, custom
+policies, no numba); the tests compare both paths plan by plan.
+
+Victim order without scanning every slot: the slots are kept in doubly linked lists, one per
+bucket (the access count for LFU, a single bucket for LRU), each sorted by ``(last_use, slot)``.
+Walking the buckets in order from their heads visits slots in ascending
+``(count, last_use, slot)`` order, the policies' victim order, so choosing ``k`` victims costs
+``k`` plus the protected slots skipped on the way, not the cache size. A step's accessed slots
+all get the newest ``last_use``, so moving them (in ascending slot order) to their buckets' tails
+keeps every list sorted. LFU's periodic halving of counts merges buckets ``2c`` and ``2c + 1``
+into ``c``: linear, once per ``decay_interval`` batches.
+
+Without numba installed, ``NUMBA_AVAILABLE`` is false and the callers use the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+numba: Any
+try:
+    numba = importlib.import_module("numba")  # no type stubs: kept as Any, used only in _jit
+except ImportError:  # pragma: no cover - numba is pinned in requirements/*.txt
+    numba = None
+
+NUMBA_AVAILABLE: bool = numba is not None
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
+Flags = npt.NDArray[np.bool_]
+
+NIL = -1  # end of a slot list
+
+# Status codes the kernels return (the wrappers raise the matching Python errors).
+OK = 0
+NO_ROOM = 1  # the batch's misses cannot all get a slot
+BAD_INDEX = 2  # an id or slot outside its range
+NO_VICTIMS = 3  # fewer evictable slots than the capacity check counted (a broken invariant)
+
+
+def _jit(fn: _F) -> _F:
+    """``numba.njit(nogil=True, cache=True)``, typed for mypy; the plain function without numba
+    (never called then: the callers check ``NUMBA_AVAILABLE``)."""
+    if numba is None:  # pragma: no cover
+        return fn
+    return cast(_F, numba.njit(nogil=True, cache=True)(fn))
+
+
+# --------------------------------------------------------------------------- slot lists
+
+
+@_jit
+def _unlink(s: int, b: int, prev: I32, nxt: I32, head: I32, tail: I32) -> None:
+    p = prev[s]
+    n = nxt[s]
+    if p == NIL:
+        head[b] = n
+    else:
+        nxt[p] = n
+    if n == NIL:
+        tail[b] = p
+    else:
+        prev[n] = p
+
+
+@_jit
+def _link_ordered(s: int, b: int, last_use: I64, prev: I32, nxt: I32, head: I32, tail: I32) -> None:
+    """Inserts ``s`` into bucket ``b`` at its ``(last_use, slot)`` place, searching from the
+    tail: O(1) for the usual newest-step slots given in ascending order."""
+    key = last_use[s]
+    t = tail[b]
+    while t != NIL and (last_use[t] > key or (last_use[t] == key and t > s)):
+        t = prev[t]
+    if t == NIL:  # new head
+        n = head[b]
+        head[b] = s
+    else:
+        n = nxt[t]
+        nxt[t] = s
+    prev[s] = t
+    nxt[s] = n
+    if n == NIL:
+        tail[b] = s
+    else:
+        prev[n] = s
+
+
+@_jit
+def build_lists(last_use: I64, count: I64, num_buckets: int) -> tuple[I32, I32, I32, I32]:
+    """Links every slot into its bucket (``count[s]``, or 0 when ``count`` is empty) in
+    ``(last_use, slot)`` order; returns ``(prev, next, head, tail)``."""
+    n = last_use.size
+    prev = np.full(n, NIL, np.int32)
+    nxt = np.full(n, NIL, np.int32)
+    head = np.full(num_buckets, NIL, np.int32)
+    tail = np.full(num_buckets, NIL, np.int32)
+    order = np.argsort(last_use, kind="mergesort")  # stable: ties stay in slot order
+    for i in range(n):
+        s = order[i]
+        b = count[s] if count.size else 0
+        t = tail[b]
+        prev[s] = t
+        if t == NIL:
+            head[b] = s
+        else:
+            nxt[t] = s
+        tail[b] = s
+    return prev, nxt, head, tail
+
+
+@_jit
+def _sorted_unique(slots: I64) -> I64:
+    out = np.sort(slots)
+    k = 0
+    for i in range(out.size):
+        if i == 0 or out[i] != out[i - 1]:
+            out[k] = out[i]
+            k += 1
+    return out[:k]
+
+
+@_jit
+def _halve_counts(count: I64, last_use: I64, prev: I32, nxt: I32, head: I32, tail: I32) -> None:
+    """LFU aging: ``count //= 2`` for every slot, merging buckets ``2c`` and ``2c + 1`` into
+    ``c`` by ``(last_use, slot)``."""
+    for s in range(count.size):
+        count[s] //= 2
+    old_head = head.copy()
+    nb = head.size
+    head[:] = NIL
+    tail[:] = NIL
+    for c in range(nb):
+        if 2 * c >= nb:
+            break
+        a = old_head[2 * c]
+        z = old_head[2 * c + 1] if 2 * c + 1 < nb else NIL
+        last = NIL
+        while a != NIL or z != NIL:
+            if z == NIL or (
+                a != NIL and (last_use[a] < last_use[z] or (last_use[a] == last_use[z] and a < z))
+            ):
+                s = a
+                a = nxt[a]
+            else:
+                s = z
+                z = nxt[z]
+            prev[s] = last
+            if last == NIL:
+                head[c] = s
+            else:
+                nxt[last] = s
+            last = s
+        if last != NIL:
+            nxt[last] = NIL
+            tail[c] = last
+
+
+@_jit
+def touch(
+    slots: I64,
+    step: int,
+    insert: bool,
+    last_use: I64,
+    count: I64,
+    prev: I32,
+    nxt: I32,
+    head: I32,
+    tail: I32,
+    accesses: int,
+    decay_interval: int,
+) -> tuple[int, int]:
+    """The policies' ``on_insert`` (``insert``: count 0) or ``on_access`` (count + 1, then LFU
+    aging) on ``slots``, keeping the lists sorted. ``count`` is empty for LRU. Returns
+    ``(status, accesses since the last aging)``."""
+    n = last_use.size
+    uniq = _sorted_unique(slots)
+    if uniq.size and (uniq[0] < 0 or uniq[-1] >= n):
+        return BAD_INDEX, accesses
+    counting = count.size > 0
+    for i in range(uniq.size):
+        s = uniq[i]
+        _unlink(s, count[s] if counting else 0, prev, nxt, head, tail)
+    for i in range(uniq.size):
+        s = uniq[i]
+        last_use[s] = step
+        b = 0
+        if counting:
+            b = 0 if insert else count[s] + 1
+            count[s] = b
+        _link_ordered(s, b, last_use, prev, nxt, head, tail)
+    if counting and not insert:
+        accesses += 1
+        if accesses >= decay_interval:
+            _halve_counts(count, last_use, prev, nxt, head, tail)
+            accesses = 0
+    return OK, accesses
+
+
+@_jit
+def walk_victims(
+    k: int, protected_a: Flags, protected_b: Flags, nxt: I32, head: I32, out: I64
+) -> int:
+    """Fills ``out[:k]`` with the first ``k`` slots in bucket-then-list order that neither flag
+    array protects; returns how many it found."""
+    found = 0
+    for b in range(head.size):
+        s = head[b]
+        while s != NIL and found < k:
+            if not protected_a[s] and not protected_b[s]:
+                out[found] = s
+                found += 1
+            s = nxt[s]
+        if found == k:
+            break
+    return found
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+@_jit
+def capacity(ids: I64, id_to_slot: I32, reserved: Flags) -> tuple[int, int, int, int]:
+    """Returns ``(status, misses, hits on unreserved slots, first bad id)`` of unique ``ids``."""
+    n_rows = id_to_slot.size
+    n_miss = 0
+    hit_unreserved = 0
+    for i in range(ids.size):
+        r = ids[i]
+        if r < 0 or r >= n_rows:
+            return BAD_INDEX, 0, 0, r
+        s = id_to_slot[r]
+        if s < 0:
+            n_miss += 1
+        elif not reserved[s]:
+            hit_unreserved += 1
+    return OK, n_miss, hit_unreserved, 0
+
+
+@_jit
+def plan(
+    ids: I64,
+    step: int,
+    num_free: int,
+    num_reserved: int,
+    id_to_slot: I32,
+    slot_to_id: I64,
+    dirty: Flags,
+    reserved: Flags,
+    mark: Flags,
+    last_use: I64,
+    count: I64,
+    prev: I32,
+    nxt: I32,
+    head: I32,
+    tail: I32,
+    accesses: int,
+    decay_interval: int,
+) -> tuple[int, int, int, int, int, I64, I64, I64, I64, Flags]:
+    """``TableCache.plan`` for unique ``ids`` on one table, in one call: capacity check (before
+    any change), slots of hits, free slots (the suffix ``[num_slots - num_free, num_slots)``,
+    filled in ascending order) then victims for the misses, map updates, ``on_insert`` of the
+    loaded slots and ``on_access`` of all. ``mark`` is an all-false scratch flag per slot.
+
+    Returns ``(status, misses, hits on unreserved slots, first bad id or free slots used,
+    accesses since aging, slots, load_ids, load_slots, evict_ids, evict_dirty)``; the victims
+    are ``load_slots[free slots used:]``."""
+    n = ids.size
+    num_slots = slot_to_id.size
+    none = np.empty(0, np.int64)
+    status, n_miss, hit_unreserved, bad = capacity(ids, id_to_slot, reserved)
+    if status != OK:
+        return status, 0, 0, bad, accesses, none, none, none, none, np.empty(0, np.bool_)
+    if n_miss > num_slots - num_reserved - hit_unreserved:
+        return (
+            NO_ROOM,
+            n_miss,
+            hit_unreserved,
+            0,
+            accesses,
+            none,
+            none,
+            none,
+            none,
+            np.empty(0, np.bool_),
+        )
+    slots = np.empty(n, np.int64)
+    load_ids = np.empty(n_miss, np.int64)
+    k = 0
+    for i in range(n):
+        s = id_to_slot[ids[i]]
+        slots[i] = s
+        if s < 0:
+            load_ids[k] = ids[i]
+            k += 1
+    load_slots = np.empty(n_miss, np.int64)
+    n_free = min(n_miss, num_free)
+    first_free = num_slots - num_free
+    for j in range(n_free):
+        load_slots[j] = first_free + j
+    n_evict = n_miss - n_free
+    evict_ids = np.empty(n_evict, np.int64)
+    evict_dirty = np.empty(n_evict, np.bool_)
+    if n_evict > 0:
+        # Protected besides the reserved slots: this batch's hits and the free slots it fills.
+        for i in range(n):
+            if slots[i] >= 0:
+                mark[slots[i]] = True
+        for j in range(n_free):
+            mark[load_slots[j]] = True
+        victims = load_slots[n_free:]
+        found = walk_victims(n_evict, reserved, mark, nxt, head, victims)
+        for i in range(n):
+            if slots[i] >= 0:
+                mark[slots[i]] = False
+        for j in range(n_free):
+            mark[load_slots[j]] = False
+        if found < n_evict:  # nothing changed yet
+            return (
+                NO_VICTIMS,
+                n_miss,
+                hit_unreserved,
+                0,
+                accesses,
+                none,
+                none,
+                none,
+                none,
+                evict_dirty,
+            )
+        for j in range(n_evict):
+            v = victims[j]
+            evict_ids[j] = slot_to_id[v]
+            evict_dirty[j] = dirty[v]
+            id_to_slot[slot_to_id[v]] = -1
+    k = 0
+    for i in range(n):
+        if slots[i] < 0:
+            s = load_slots[k]
+            k += 1
+            slots[i] = s
+            id_to_slot[ids[i]] = s
+            slot_to_id[s] = ids[i]
+            dirty[s] = False
+            mark[s] = True  # loaded: its count restarts
+    # on_insert(load_slots) then on_access(slots), in one pass over the slots in ascending order.
+    uniq = np.sort(slots)
+    counting = count.size > 0
+    for i in range(n):
+        s = uniq[i]
+        if i > 0 and s == uniq[i - 1]:
+            continue  # (ids must be unique; a repeat must still not break the lists)
+        b = count[s] if counting else 0
+        _unlink(s, b, prev, nxt, head, tail)
+        last_use[s] = step
+        if counting:
+            b = 1 if mark[s] else b + 1
+            count[s] = b
+        mark[s] = False
+        _link_ordered(s, b, last_use, prev, nxt, head, tail)
+    if counting:
+        accesses += 1
+        if accesses >= decay_interval:
+            _halve_counts(count, last_use, prev, nxt, head, tail)
+            accesses = 0
+    return (
+        OK,
+        n_miss,
+        hit_unreserved,
+        n_free,
+        accesses,
+        slots,
+        load_ids,
+        load_slots,
+        evict_ids,
+        evict_dirty,
+    )
+
+
+@_jit
+def hold(slots: I64, delta: int, holds: I32, pinned: Flags, reserved: Flags) -> tuple[int, int]:
+    """Adds ``delta`` to the hold count of each of ``slots`` (a repeated slot counts each time)
+    and refreshes ``reserved = pinned | holds > 0`` there. Returns ``(status, change in the
+    number of reserved slots)``; changes nothing on a bad slot."""
+    n = holds.size
+    for i in range(slots.size):
+        if slots[i] < 0 or slots[i] >= n:
+            return BAD_INDEX, 0
+    for i in range(slots.size):
+        holds[slots[i]] += delta
+    change = 0
+    for i in range(slots.size):
+        s = slots[i]
+        now = pinned[s] or holds[s] > 0
+        if now != reserved[s]:
+            reserved[s] = now
+            change += 1 if now else -1
+    return OK, change
