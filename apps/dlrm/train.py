@@ -79,6 +79,7 @@ from apps.dlrm.report import (
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed.incremental import track_changes
 from torchrec_mtrains.distributed.runtime import (
+    end_process_group,
     failing_together,
     format_duration,
     init_process_group,
@@ -343,8 +344,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             run_dir = _prepare_run_dir(cfg)
             return _train(cfg, run_dir, group.rank, group.world_size, group.device)
     finally:
-        if group.created and dist.is_initialized():  # failing_together aborts it on errors
-            dist.destroy_process_group()
+        if group.created:  # (failing_together has aborted it after an error)
+            end_process_group()
         torch.set_num_threads(caller_threads)
 
 

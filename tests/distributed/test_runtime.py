@@ -1,11 +1,24 @@
-"""Choosing the compute device and the process-group backend once per rank."""
+"""Choosing the compute device and the process-group backend once per rank; ending the group."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from torchrec_mtrains.distributed.runtime import backend_for, resolve_device
+from torchrec_mtrains.distributed.runtime import (
+    backend_for,
+    free_port,
+    process_group,
+    resolve_device,
+)
 
 
 def test_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,3 +45,84 @@ def test_unknown_device_and_backends() -> None:
         resolve_device("gpu")
     assert backend_for(torch.device("cuda", 0)) == "nccl"
     assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def _tie(group: Any) -> None:
+    """Leaves ``group`` referenced only from an unreachable reference cycle, as TorchRec's
+    sharded modules, optimizers and ShardedTensors leave the default group."""
+    cycle: dict[str, Any] = {"group": group}
+    cycle["self"] = cycle
+
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_leaving_the_group_ends_its_backend_though_a_cycle_holds_it() -> None:
+    before = _threads()
+    with process_group():
+        group = dist.distributed_c10d._get_default_group()
+        alive = weakref.ref(group)
+        started = _threads() - before  # gloo's worker and I/O threads, the store's server
+        _tie(group)
+        del group
+        dist.all_reduce(torch.ones(8))
+    assert started
+    assert alive() is None
+    assert not started & _threads()
+
+
+# Rank 1 joins rank 0's last all_reduces late, so they complete on gloo's worker threads after
+# rank 0 dropped their tensors, while rank 0's main thread keeps the GIL (sys.setswitchinterval
+# stands in for workers starved of CPU): each worker, dropping a tensor's last reference, waits
+# for the GIL. Were the group still alive when the interpreter finalizes, its destructor would let
+# a waiting worker take the GIL then, and CPython ends it with pthread_exit inside a noexcept
+# destructor: "terminate called without an active exception", SIGABRT. The collector runs only
+# when called (and at exit), never by chance in between.
+_RANK = """
+import gc, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torchrec_mtrains.distributed.runtime import end_process_group, init_process_group
+
+gc.set_threshold(10**9)
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+init_process_group(torch.device("cpu"), timedelta(seconds=60), rank=rank, world_size=2, port=port)
+cycle = {"group": dist.distributed_c10d._get_default_group()}
+cycle["self"] = cycle
+del cycle
+dist.barrier()
+if rank == 0:
+    sys.setswitchinterval(100.0)
+    for _ in range(32):
+        dist.all_reduce(torch.ones(1000), async_op=True)
+else:
+    time.sleep(0.5)
+    for _ in range(32):
+        dist.all_reduce(torch.ones(1000))
+%s
+end = time.monotonic() + 2.5
+while time.monotonic() < end:
+    pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("teardown", ["end_process_group()", "dist.destroy_process_group()"])
+def test_ranks_exit_cleanly_while_gloo_still_releases_the_last_collectives(teardown: str) -> None:
+    """With :func:`end_process_group`, or torch's own teardown (the collection at exit)."""
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK % teardown, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    ended = [rank.communicate(timeout=120) for rank in ranks]
+    for rank, (out, err) in zip(ranks, ended, strict=True):
+        assert rank.returncode == 0, out + err
+        assert "terminate called" not in err

@@ -9,11 +9,17 @@ turns what follows a failure into one error on every rank: a rank that raises te
 (through the job's store) and aborts the group, so their collectives fail at once and they stop
 naming it and its error; a rank whose collective timed out or lost a peer names the ranks that
 did not report back (stopped, hung or dead).
+
+A group is ended with :func:`end_process_group` (``process_group`` does it on leaving): the
+group's backend threads must be joined while the interpreter is whole, not at its exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import gc
 import logging
 import math
 import os
@@ -157,10 +163,35 @@ def init_process_group(
             world_size=1,
             timeout=timeout,
         )
+    _collect_at_exit()
     logger.debug(
         "rank %d of %d on %s (%s)", dist.get_rank(), dist.get_world_size(), device, backend
     )
     return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), device, True)
+
+
+def end_process_group() -> None:
+    """Destroys the default group and its backend now, while the interpreter is whole.
+
+    ``dist.destroy_process_group`` only unregisters the group: TorchRec's sharded modules,
+    optimizers and ShardedTensors hold it in reference cycles, so its backend (gloo's worker and
+    I/O threads, the store rank 0 hosts) would live on until the collector runs while the
+    interpreter finalizes. A gloo worker that then drops the last reference to a collective's
+    tensor takes the GIL, and CPython ends it with ``pthread_exit`` inside a ``noexcept``
+    destructor: "terminate called without an active exception", SIGABRT after a finished run.
+    Collecting those cycles here runs the group's destructor, which joins its threads.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+@functools.cache
+def _collect_at_exit() -> None:
+    """Once per process: a collection at exit, before the interpreter finalizes, ends a group
+    destroyed while its holders were still reachable (an error's traceback keeps the model) as
+    :func:`end_process_group` would, and a caller's ``dist.destroy_process_group`` too."""
+    atexit.register(gc.collect)
 
 
 @contextlib.contextmanager
@@ -168,7 +199,7 @@ def process_group(
     device: torch.device | None = None, timeout: timedelta | None = None, **where: Any
 ) -> Iterator[ProcessGroupInfo]:
     """:func:`init_process_group` (``device`` default: the CPU) for the ``with`` block; the
-    group is destroyed at its end if this call formed it.
+    group is ended (:func:`end_process_group`) at its end if this call formed it.
 
     Example::
 
@@ -179,8 +210,8 @@ def process_group(
     try:
         yield info
     finally:
-        if info.created and dist.is_initialized():
-            dist.destroy_process_group()
+        if info.created:
+            end_process_group()
 
 
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
