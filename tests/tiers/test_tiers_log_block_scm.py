@@ -25,11 +25,14 @@ from tier_helpers import exact_rows
 
 from torchrec_mtrains.tiers import (
     TIERS,
+    BlockScmOptions,
     HeaderMismatchError,
     RowStoreError,
+    layouts_of,
     open_store,
     resolve_options,
 )
+from torchrec_mtrains.tiers.block_scm import BlockSCMStore
 from torchrec_mtrains.tiers.log_block_scm import CKPT_MAGIC, LogBlockScmOptions, LogBlockSCMStore
 from torchrec_mtrains.types import RowLayout
 
@@ -523,3 +526,56 @@ def test_o_direct_is_used_where_supported(tmp_path: Path, caplog: pytest.LogCapt
         store.write_range(0, np.ones((10, 4), np.float32))
         assert store.read_rows([9]).sum() == 4
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------- the block tier's log layout
+
+
+def test_the_block_tier_opens_in_its_log_layout_when_its_options_say_so(tmp_path: Path) -> None:
+    assert layouts_of("block_scm") == {"flat": BlockSCMStore, "log": LogBlockSCMStore}
+    assert LogBlockSCMStore.serves_tier == "block_scm" and BlockSCMStore.serves_tier == "block_scm"
+    by_key = resolve_options("block_scm", {"layout": "log", "queue_depth": 4})
+    assert by_key == LogBlockScmOptions(queue_depth=4)
+    assert resolve_options("block_scm", LogBlockScmOptions()) == LogBlockScmOptions()
+    assert resolve_options("block_scm", {"layout": "flat"}) == BlockScmOptions()
+    with pytest.raises(ValueError, match="option 'layout' must be one of flat, log, got 'lsm'"):
+        resolve_options("block_scm", {"layout": "lsm"})
+    with pytest.raises(ValueError, match="takes DramOptions, got LogBlockScmOptions"):
+        resolve_options("dram", LogBlockScmOptions())  # another device's store
+    options = {"layout": "log", "engine": "threads", "block_size": 512, "segment_bytes": 2048}
+    with open_store("block_scm", tmp_path, "t", SMALL, options=options) as store:
+        assert isinstance(store, LogBlockSCMStore)
+        assert store.path.name == "t.log_block_scm.rows"
+
+
+@pytest.mark.parametrize("name", ["block_scm", "log_block_scm"])
+def test_file_bytes_is_the_size_of_a_new_file(tmp_path: Path, name: str) -> None:
+    options = resolve_options(name, {"block_size": 512, "engine": "threads"})
+    with open_store(name, tmp_path, "t", SMALL, options=options) as store:
+        assert store.path.stat().st_size == type(store).file_bytes(SMALL, options)
+    assert LogBlockSCMStore.file_bytes(SMALL) > 2 * SMALL.total_bytes  # the default bound: 2x
+
+
+def test_export_scans_the_log_into_the_flat_row_array(tmp_path: Path) -> None:
+    """After rewrites, compaction and a reopen, an export holds every row as read by id
+    (zeros for rows never written), one sequential read per run of segments."""
+    rng = np.random.default_rng(3)
+    store = _store(tmp_path, SMALL, **SMALL_OPTIONS, max_space_amplification=1.5)
+    for step in range(30):
+        ids = np.unique(rng.integers(0, 2500, 300))
+        store.write_rows(ids, rng.standard_normal((ids.size, SMALL.row_width)))
+        if step % 9 == 8:
+            store.flush()
+    store.close()
+    store = _store(tmp_path, SMALL, **SMALL_OPTIONS, max_space_amplification=1.5)
+    assert store.live_rows < SMALL.num_rows
+    out = np.zeros((SMALL.num_rows, SMALL.row_width), np.float32)
+    calls: list[int] = []
+    before = store.stats.bytes_read
+    store.export_rows(out, written=lambda: calls.append(1))
+    assert np.array_equal(out, store.read_range(0, SMALL.num_rows))
+    assert not out[2500:].any()  # never written
+    assert calls and store.stats.bytes_read - before <= store.file_data_bytes
+    with pytest.raises(ValueError, match="export target of shape"):
+        store.export_rows(out[:10])
+    store.close()

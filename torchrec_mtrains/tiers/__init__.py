@@ -1,15 +1,19 @@
 """Storage tiers: one module per backend, all registered by name in :data:`TIERS`.
 
-Importing this package registers the built-in tiers (``dram``, ``byte_scm``, ``block_scm``).
-The log-structured block tier ``log_block_scm`` registers itself when
-:mod:`torchrec_mtrains.tiers.log_block_scm` is imported: the distributed layer cannot place
-tables on it yet (its checkpoints map a block tier's file as the flat row array, which a log
-is not), and code that enumerates :data:`TIERS` as the tiers tables can use must not see it.
+Importing this package registers the built-in stores: ``dram``, ``byte_scm``, ``block_scm``
+and ``log_block_scm``. A store serves one placement tier (:class:`torchrec_mtrains.types.Tier`)
+in one file layout: ``log_block_scm`` is the block tier's log-structured layout, chosen by the
+block tier's options (``LogBlockScmOptions``, or ``{"layout": "log"}``), never placed by name.
 A new tier is one new module defining a :class:`TierOptions` dataclass and a :class:`RowStore`
 subclass naming it as ``options_type``, decorated with :func:`register_tier`.
 """
 
-from torchrec_mtrains.tiers import block_scm, byte_scm, dram  # noqa: F401  (registers tiers)
+from torchrec_mtrains.tiers import (  # noqa: F401  (registers the stores)
+    block_scm,
+    byte_scm,
+    dram,
+    log_block_scm,
+)
 from torchrec_mtrains.tiers._blockio import IOEngineKind
 from torchrec_mtrains.tiers.base import (
     TIERS,
@@ -20,6 +24,7 @@ from torchrec_mtrains.tiers.base import (
     RowStoreError,
     TierOptions,
     TierStats,
+    layouts_of,
     open_store,
     register_tier,
     resolve_options,
@@ -28,6 +33,7 @@ from torchrec_mtrains.tiers.base import (
 from torchrec_mtrains.tiers.block_scm import BlockScmOptions
 from torchrec_mtrains.tiers.byte_scm import ByteScmOptions
 from torchrec_mtrains.tiers.dram import DramOptions
+from torchrec_mtrains.tiers.log_block_scm import LogBlockScmOptions
 
 __all__ = [
     "TIERS",
@@ -37,11 +43,13 @@ __all__ = [
     "FileHeader",
     "HeaderMismatchError",
     "IOEngineKind",
+    "LogBlockScmOptions",
     "OpenMode",
     "RowStore",
     "RowStoreError",
     "TierOptions",
     "TierStats",
+    "layouts_of",
     "open_store",
     "register_tier",
     "resolve_options",

@@ -353,6 +353,11 @@ class RowStore(ABC):
 
     name: ClassVar[str]
     options_type: ClassVar[type[TierOptions]]
+    # The placement tier (``types.Tier``) whose device the store's file lives on, and how rows
+    # lie in it: ``flat`` (row ``i`` at ``data_offset + i * row_bytes``) or another layout
+    # of the same device (the log-structured block tier serves ``block_scm`` as ``log``).
+    serves_tier: ClassVar[str] = ""
+    file_layout: ClassVar[str] = "flat"
     options: TierOptions
 
     def __init__(
@@ -376,6 +381,9 @@ class RowStore(ABC):
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._closed = False
+        # Bumped by every write call: copies of the rows (checkpoint views) know when they
+        # are stale.
+        self.version = 0
         check_table_name(table)
         check_directory(self.directory)
 
@@ -410,6 +418,7 @@ class RowStore(ABC):
         if not ids_arr.size:
             return
         with self._write_lock:
+            self.version += 1
             moved, calls = self._write_rows(ids_arr, rows_arr)
         self._count(write_calls=1, rows_written=ids_arr.size, bytes_written=moved, io_calls=calls)
 
@@ -459,6 +468,37 @@ class RowStore(ABC):
         Writes through it bypass the counters and the write lock, and it is only valid until
         :meth:`close`."""
         return None
+
+    @classmethod
+    def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
+        """The size of a new file of this store for ``layout`` (files are preallocated in full
+        when created), so a job can check the free space before creating any."""
+        return DATA_OFFSET + layout.total_bytes
+
+    def export_rows(
+        self,
+        out: npt.NDArray[Any],
+        chunk_rows: int = 65_536,
+        written: Callable[[], None] | None = None,
+    ) -> None:
+        """Copies every row, in id order, into ``out`` (``(num_rows, row_width)`` in storage
+        dtype, e.g. a file mapping), ``chunk_rows`` at a time, calling ``written`` after each
+        piece (e.g. to write a mapping's dirty pages out). A tier whose file is not the flat
+        row array overrides this with a sequential scan of its file."""
+        self._check_export_target(out)
+        for start in range(0, self.layout.num_rows, chunk_rows):
+            count = min(chunk_rows, self.layout.num_rows - start)
+            out[start : start + count] = self.read_range(start, count)
+            if written is not None:
+                written()
+
+    def _check_export_target(self, out: npt.NDArray[Any]) -> None:
+        self._check_open()
+        if out.shape != (self.layout.num_rows, self.layout.row_width):
+            raise ValueError(
+                f"table {self.table!r}: export target of shape {out.shape}, expected "
+                f"{(self.layout.num_rows, self.layout.row_width)}"
+            )
 
     def __enter__(self) -> RowStore:
         return self
@@ -739,6 +779,8 @@ def register_tier(cls: _S, *, clobber: bool = False) -> _S:
         )
     if name in _REGISTRY and _REGISTRY[name] is not cls and not clobber:
         raise ValueError(f"tier {name!r} is already registered to {_REGISTRY[name].__qualname__}")
+    if not cls.serves_tier:
+        cls.serves_tier = name
     _REGISTRY[name] = cls
     return cls
 
@@ -753,20 +795,48 @@ def tier_class(tier: str) -> type[RowStore]:
         ) from None
 
 
+LAYOUT_KEY = "layout"
+"""The key of a tier's options mapping that picks another file layout of the same device
+(``{"block_scm": {"layout": "log"}}``: the log-structured block tier)."""
+
+
+def layouts_of(tier: str) -> dict[str, type[RowStore]]:
+    """The registered stores that keep ``tier``'s rows, by file layout (``flat``, ``log``)."""
+    return {cls.file_layout: cls for cls in TIERS.values() if cls.serves_tier == tier}
+
+
 def resolve_options(
     tier: str, options: TierOptions | Mapping[str, Any] | None = None
 ) -> TierOptions:
     """``tier``'s options from a typed object, a mapping such as a config section (checked key
     by key, see :meth:`TierOptions.from_mapping`) or ``None`` (the defaults).
 
+    The options say which store opens the tier's files: ``tier``'s own, or a store serving it
+    in another file layout, chosen by giving that store's options
+    (``LogBlockScmOptions`` for ``block_scm``) or a mapping with ``layout`` (``"log"``).
+    :attr:`TierOptions.tier` of the result names the store to open.
+
     Raises:
-        ValueError: for an unknown tier, options of another tier, an unknown key or a bad
-            value, naming the tier and the option.
+        ValueError: for an unknown tier or layout, options of another tier, an unknown key or
+            a bad value, naming the tier and the option.
     """
-    options_type = tier_class(tier).options_type
+    own = tier_class(tier)
+    if isinstance(options, TierOptions) and options.tier != tier:
+        store = TIERS.get(options.tier)
+        if store is not None and store.serves_tier == own.serves_tier:
+            return options  # another layout of the same device
     if options is None or isinstance(options, TierOptions):
-        return _own_options(tier, options_type, options)
-    return options_type.from_mapping(options)
+        return _own_options(tier, own.options_type, options)
+    if LAYOUT_KEY in options:
+        values = dict(options)
+        layout = values.pop(LAYOUT_KEY)
+        layouts = layouts_of(own.serves_tier)
+        if layout not in layouts:
+            raise own.options_type.option_error(
+                LAYOUT_KEY, f"must be one of {', '.join(sorted(layouts))}, got {layout!r}"
+            )
+        return layouts[layout].options_type.from_mapping(values)
+    return own.options_type.from_mapping(options)
 
 
 def _own_options(
@@ -795,7 +865,8 @@ def open_store(
     """Opens ``table`` on the tier named ``tier``.
 
     Args:
-        tier: a registered tier name (:data:`TIERS`).
+        tier: a registered tier name (:data:`TIERS`); the options may pick another file
+            layout of its device (see :func:`resolve_options`).
         directory: existing, writable directory for the store's file.
         table: table (or shard) name.
         layout: shape of the rows.
@@ -807,6 +878,5 @@ def open_store(
     Raises:
         ValueError: for an unknown tier or bad options, naming the tier and the option.
     """
-    return tier_class(tier)(
-        directory, table, layout, mode=mode, options=resolve_options(tier, options)
-    )
+    resolved = resolve_options(tier, options)
+    return tier_class(resolved.tier)(directory, table, layout, mode=mode, options=resolved)

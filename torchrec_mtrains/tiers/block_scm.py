@@ -41,6 +41,7 @@ from torchrec_mtrains.tiers.base import (
     RowStore,
     TierOptions,
     register_tier,
+    resolve_options,
 )
 from torchrec_mtrains.types import RowLayout
 
@@ -169,6 +170,13 @@ class BlockSCMStore(RowStore):
     def _file_bytes(self, data_offset: int) -> int:
         bs = self.block_size
         return data_offset + -(-self.layout.total_bytes // bs) * bs
+
+    @classmethod
+    def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
+        opts = resolve_options(cls.name, options)
+        assert isinstance(opts, BlockScmOptions)
+        bs = opts.block_size
+        return max(DATA_OFFSET, bs) + -(-layout.total_bytes // bs) * bs
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         try:

@@ -42,7 +42,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from typing import Any, ClassVar
@@ -72,6 +72,7 @@ from torchrec_mtrains.tiers.base import (
     TierOptions,
     TierStats,
     register_tier,
+    resolve_options,
 )
 from torchrec_mtrains.types import RowLayout
 
@@ -118,7 +119,11 @@ class LogBlockScmOptions(TierOptions):
     """
 
     tier: ClassVar[str] = "log_block_scm"
-    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth")
+    hardware_fields: ClassVar[tuple[str, ...]] = (
+        "block_size",
+        "queue_depth",
+        "max_space_amplification",
+    )
 
     block_size: int = 4096
     queue_depth: int = 32
@@ -152,6 +157,12 @@ class LogBlockScmOptions(TierOptions):
                 "max_space_amplification",
                 f"must be a finite number >= 1.1 (compaction needs dead space), got {amp}",
             )
+
+
+def index_bytes_per_row(max_space_amplification: float) -> float:
+    """Host memory the store's index takes per table row: its row -> slot map (int64) and its
+    slot -> row map over the file's slots (int64, ``max_space_amplification`` slots a row)."""
+    return 8.0 + 8.0 * max_space_amplification
 
 
 @dataclass(frozen=True)
@@ -280,6 +291,8 @@ class LogBlockSCMStore(RowStore):
 
     name: ClassVar[str] = "log_block_scm"
     options_type: ClassVar[type[TierOptions]] = LogBlockScmOptions
+    serves_tier: ClassVar[str] = "block_scm"
+    file_layout: ClassVar[str] = "log"
     options: LogBlockScmOptions
 
     def __init__(
@@ -323,7 +336,9 @@ class LogBlockSCMStore(RowStore):
             os.close(self._fd)
             raise self._os_error(e, f"setting up the {opts.engine.value} I/O engine") from e
         self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
-        self._buffers = BufferPool()
+        # Idle buffers for a few passes' I/O; the larger ones (a checkpoint of the index is
+        # 8 bytes a row) are freed after use.
+        self._buffers = BufferPool(keep_bytes=4 * opts.max_pass_bytes)
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
@@ -352,6 +367,50 @@ class LogBlockSCMStore(RowStore):
     def live_rows(self) -> int:
         """Rows written at least once (the others read as zeros and take no space)."""
         return int(self._live.sum())
+
+    @classmethod
+    def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
+        opts = resolve_options(cls.name, options)
+        assert isinstance(opts, LogBlockScmOptions)
+        geo = LogGeometry.for_layout(layout, opts.block_size, opts.segment_bytes)
+        return geo.data_offset + geo.capacity(opts.max_space_amplification) * geo.segment_bytes
+
+    def export_rows(
+        self,
+        out: npt.NDArray[Any],
+        chunk_rows: int = 65_536,
+        written: Callable[[], None] | None = None,
+    ) -> None:
+        """Copies every row into ``out`` (``(num_rows, row_width)`` in storage dtype, e.g. a
+        file mapping) by one sequential scan of the segments holding rows, in runs of at most
+        ``max_pass_bytes`` (``written`` is called after each): reading them by id would be one
+        random read per row. Rows never written are left as they are in ``out``, which must
+        hold zeros there (a new file does): writing zeros would dirty every page of a mapping.
+        Writes wait meanwhile; reads go on. (``chunk_rows`` is unused.)"""
+        self._check_export_target(out)
+        geo = self.geometry
+        ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
+        dtype = self.layout.dtype.numpy_dtype
+        with self._write_lock, self._gate.reading():
+            holding = np.flatnonzero(self._live > 0)
+            run = max(1, self.options.max_pass_bytes // sb)
+            # Consecutive segments holding rows, at most ``run`` of them per read.
+            breaks = np.flatnonzero(np.diff(holding) != 1) + 1
+            for group in np.split(holding, breaks):
+                for first in range(0, group.size, run):
+                    segs = group[first : first + run]
+                    s0, count = int(segs[0]), int(segs.size)
+                    region = self._read_region(geo.data_offset + s0 * sb, count * sb)
+                    slots = np.arange(s0 * ss, (s0 + count) * ss, dtype=np.int64)
+                    owners = self._owner[slots]
+                    live = owners >= 0
+                    live[live] = self._loc[owners[live]] == slots[live]
+                    slots, owners = slots[live], owners[live]
+                    pos = (slots // ss - s0) * sb + (slots % ss) * rb
+                    raw = region[pos[:, None] + np.arange(rb, dtype=np.int64)]
+                    out[owners] = raw.view(dtype).reshape(owners.size, -1)
+                    if written is not None:
+                        written()
 
     # ----------------------------------------------------------------------- state & recovery
 
