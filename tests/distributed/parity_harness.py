@@ -59,6 +59,7 @@ from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingCollectionSharder,
 )
 from torchrec_mtrains.pipeline import tier_stats
+from torchrec_mtrains.tiers import TIERS, resolve_options
 
 STEPS = 50
 BATCH = 8
@@ -121,6 +122,11 @@ class ParityCase:
         extras += [self.device if self.device != "cpu" else ""]
         extras += [self.other_kernel if self.other_kernel != "fused" else ""]
         return "-".join([name, *(e for e in extras if e)])
+
+    @property
+    def placed_tier(self) -> str:
+        """The placement tier of the case's store (``log_block_scm`` serves ``block_scm``)."""
+        return TIERS[self.tier].serves_tier
 
     @property
     def torch_device(self) -> torch.device:
@@ -212,7 +218,7 @@ def cache_load_factor(case: ParityCase, world_size: int) -> tuple[float, list[in
         factor = max(((need + rows) / 2 - 0.5) / rows for rows, need in shards)
     else:
         raise ValueError(f"unknown cache size {case.cache!r}")
-    options = TieredTableOptions(tier=case.tier, cache_load_factor=factor)
+    options = TieredTableOptions(tier=case.placed_tier, cache_load_factor=factor)
     sizes = [options.cache_rows(rows) for rows, _ in shards]
     for size, (rows, need) in zip(sizes, shards):
         assert need <= size <= rows, (case, size, rows, need)
@@ -293,7 +299,7 @@ def build_model(
     if tiered:
         factor, _ = cache_load_factor(case, world_size)
         options = TieredTableOptions(
-            tier=case.tier, cache_load_factor=factor, cache_policy=case.policy
+            tier=case.placed_tier, cache_load_factor=factor, cache_policy=case.policy
         )
         plan[TIERED_TABLE] = TieredParameterSharding.wrap(plan[TIERED_TABLE], options)
     torch.manual_seed(1234)
@@ -305,6 +311,14 @@ def build_model(
     )
 
 
+def tier_storage(store: str, root: Path, **kwargs: Any) -> TierStorage:
+    """Tier files under ``root``, the tier ``store`` serves kept by ``store`` (for
+    ``log_block_scm``: the block tier in its log layout)."""
+    placed = TIERS[store].serves_tier
+    options = {} if store == placed else {placed: resolve_options(store)}
+    return TierStorage(root=str(root), tier_options=options, **kwargs)
+
+
 def build_models(
     case: ParityCase, world_size: int, root: Path
 ) -> tuple[DistributedModelParallel, DistributedModelParallel, list[int]]:
@@ -313,7 +327,7 @@ def build_models(
     tiered table."""
     ref = build_model(case, world_size, None)
     set_weights(ref, global_weights(case.seed))
-    tie = build_model(case, world_size, TierStorage(root=str(root)))
+    tie = build_model(case, world_size, tier_storage(case.tier, root))
     tie.load_state_dict(ref.state_dict())
     return ref, tie, cache_load_factor(case, world_size)[1]
 

@@ -26,12 +26,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.distributed.parity_harness import tier_storage
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
     TieredParameterSharding,
     TieredTableOptions,
-    TierStorage,
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.tiers import TIERS
@@ -66,7 +66,7 @@ def build(
     hot_rows: dict[str, list[int]] | None = None,
 ) -> DistributedModelParallel:
     tables = tables or _tables()
-    storage = TierStorage(root=str(root), checkpoint_chunk_rows=chunk_rows)
+    storage = tier_storage(tier, root, checkpoint_chunk_rows=chunk_rows)
     sharder = TieredEmbeddingBagCollectionSharder(
         storage, fused_params={"optimizer": optimizer, "learning_rate": 0.05}, hot_rows=hot_rows
     )
@@ -85,7 +85,7 @@ def build(
         device_type="cpu",
     )
     plan["big"] = TieredParameterSharding.wrap(
-        plan["big"], TieredTableOptions(tier=tier, cache_load_factor=0.5)
+        plan["big"], TieredTableOptions(tier=TIERS[tier].serves_tier, cache_load_factor=0.5)
     )
     return DistributedModelParallel(
         ebc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]

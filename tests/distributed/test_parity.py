@@ -44,8 +44,9 @@ TIER_NAMES = sorted(TIERS)
 UNSHARDED_TOLERANCE = 1e-5  # FUSED vs nn.EmbeddingBag: same values, other summation order
 
 
-def test_registry_holds_the_three_tiers() -> None:
-    assert TIER_NAMES == ["block_scm", "byte_scm", "dram"]
+def test_registry_holds_the_three_tiers_and_the_block_tiers_log_layout() -> None:
+    assert TIER_NAMES == ["block_scm", "byte_scm", "dram", "log_block_scm"]
+    assert {TIERS[name].serves_tier for name in TIER_NAMES} == {"block_scm", "byte_scm", "dram"}
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -148,19 +149,26 @@ def test_parity_world_size_1(case: h.ParityCase, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ world size 2
 
 
+PLACED_TIERS = sorted({TIERS[name].serves_tier for name in TIER_NAMES})
+
+
 def _ws2_cases() -> list[h.ParityCase]:
     """Every kind x sharding x optimizer; tiers and cache sizes rotate so that each kind and
-    sharding meets every tier and every cache size, and each kind every (tier, cache) pair."""
+    sharding meets every tier and every cache size, and each kind every (tier, cache) pair.
+    The block tier runs in its log layout for one sharding per kind."""
     cases = []
-    for kind in h.KINDS:
+    for k_idx, kind in enumerate(h.KINDS):
         for s_idx, sharding in enumerate(h.SHARDINGS):
             for o_idx, optimizer in enumerate(h.OPTIMIZERS):
+                tier = PLACED_TIERS[o_idx % len(PLACED_TIERS)]
+                if tier == "block_scm" and s_idx == 1 + k_idx:
+                    tier = "log_block_scm"
                 cases.append(
                     h.ParityCase(
                         kind=kind,
                         sharding=sharding,
                         optimizer=optimizer,
-                        tier=TIER_NAMES[o_idx % len(TIER_NAMES)],
+                        tier=tier,
                         cache=h.CACHE_SIZES[(o_idx + s_idx) % len(h.CACHE_SIZES)],
                     )
                 )
@@ -173,13 +181,14 @@ WS2_CASES = _ws2_cases()
 def test_world_size_2_cases_cover_the_matrix() -> None:
     for kind in h.KINDS:
         mine = [c for c in WS2_CASES if c.kind == kind]
-        assert {(c.tier, c.cache) for c in mine} == set(
-            itertools.product(TIER_NAMES, h.CACHE_SIZES)
+        assert {(c.placed_tier, c.cache) for c in mine} == set(
+            itertools.product(PLACED_TIERS, h.CACHE_SIZES)
         )
+        assert "log_block_scm" in {c.tier for c in mine}
         for sharding in h.SHARDINGS:
             some = [c for c in mine if c.sharding == sharding]
             assert {c.optimizer for c in some} == set(h.OPTIMIZERS)
-            assert {c.tier for c in some} == set(TIER_NAMES)
+            assert {c.placed_tier for c in some} == set(PLACED_TIERS)
             assert {c.cache for c in some} == set(h.CACHE_SIZES)
 
 
@@ -350,7 +359,7 @@ def test_loaded_checkpoint_reaches_the_tier_files(tier: str, tmp_path: Path) -> 
     tie.fused_optimizer.load_state_dict(ref.fused_optimizer.state_dict())
     tie.module.flush_tiers()
     del tie
-    reopened = h.build_model(case, 1, TierStorage(root=str(tmp_path), open_mode="open"))
+    reopened = h.build_model(case, 1, h.tier_storage(tier, tmp_path, open_mode="open"))
     diffs = h.compare(ref, reopened)
     mine = {k: v for k, v in diffs.items() if h.TIERED_TABLE in k}
     assert len(mine) == 2 and max(mine.values()) <= h.TOLERANCE, mine
@@ -368,9 +377,9 @@ def _two_table_plan(
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     sharder = TieredEmbeddingBagCollectionSharder(
-        TierStorage(root=str(tmp_path)), fused_params=h.fused_params("sgd")
+        h.tier_storage(tier, tmp_path), fused_params=h.fused_params("sgd")
     )
-    options = TieredTableOptions(tier=tier, cache_load_factor=load_factor)
+    options = TieredTableOptions(tier=TIERS[tier].serves_tier, cache_load_factor=load_factor)
     plan = construct_module_sharding_plan(
         ebc,
         {t.name: table_wise(rank=0, compute_kernel=TIERED_KERNEL) for t in tables},

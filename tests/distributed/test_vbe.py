@@ -15,6 +15,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.distributed.parity_harness import tier_storage
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -49,7 +50,8 @@ def _ebc() -> EmbeddingBagCollection:
 
 def _model(root: Path, tier: str | None) -> DistributedModelParallel:
     """Both tables on ``tier`` (one tiered kernel), or both FUSED when ``tier`` is None."""
-    sharder = TieredEmbeddingBagCollectionSharder(TierStorage(root=str(root)), fused_params=FUSED)
+    storage = TierStorage(root=str(root)) if tier is None else tier_storage(tier, root)
+    sharder = TieredEmbeddingBagCollectionSharder(storage, fused_params=FUSED)
     kernel = "fused" if tier is None else TIERED_KERNEL
     plan = construct_module_sharding_plan(
         _ebc(),
@@ -62,7 +64,8 @@ def _model(root: Path, tier: str | None) -> DistributedModelParallel:
     if tier is not None:
         for name in plan:
             plan[name] = TieredParameterSharding.wrap(
-                plan[name], TieredTableOptions(tier=tier, cache_load_factor=0.3)
+                plan[name],
+                TieredTableOptions(tier=TIERS[tier].serves_tier, cache_load_factor=0.3),
             )
     return DistributedModelParallel(
         _ebc(), device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]

@@ -3,7 +3,8 @@
 TorchRec reads and writes a table's state through tensors (``state_dict``, the fused
 optimizer's state, dcp): for a tiered table these view the tier's rows in place (its memory, or
 a mapping of its file), never a copy, so a checkpoint streams a table larger than memory chunk
-by chunk. The views show the tier, not the cache: flush the group before reading them.
+by chunk. The views show the tier, not the cache: flush the group before reading them (the flush also
+refreshes the copies that stand for log-structured tiers, see :class:`TierViews`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,27 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from torchrec_mtrains.tiers import OpenMode
+from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
+
 if TYPE_CHECKING:
     from torchrec_mtrains.distributed.tiered_tables import TieredTableShard
+
+
+VIEW_DIR = "views"
+"""Subdirectory of a tier directory holding the exported copies of log-structured tables."""
 
 
 class TierViews:
     """Views of the rows of ``shards`` (one kernel's), and writing back what was written
     through them.
+
+    A tier whose file is the flat row array is viewed in place: its memory, or a mapping of
+    its file. A log-structured tier's file is not, so its view is a flat copy in a file of its
+    own (``<tier dir>/views/``), exported from the log by :meth:`refresh` (when something is
+    about to read the views: a state dict, the optimizer's state, a checkpoint load) and only
+    if the table changed since, and imported back by :meth:`persist_writes` after a checkpoint
+    load wrote it. Training never touches the copy.
 
     Args:
         shards: the kernel's table shards, in its table order.
@@ -31,15 +46,17 @@ class TierViews:
         self._shards = shards
         self._chunk_rows = chunk_rows
         self._mapped: dict[int, np.ndarray[Any, Any]] = {}
+        self._copies: dict[int, ByteSCMStore] = {}  # exported copies, by shard index
+        self._exported: dict[int, int | None] = {}  # the store version each copy holds
 
     def mapped_rows(self, index: int) -> torch.Tensor:
         """Shard ``index``'s rows on its tier as a ``(rows, row_width)`` tensor viewing the file
-        (or the tier's memory), without copying."""
+        (or the tier's memory, or the exported copy), without copying."""
         if index not in self._mapped:
             store = self._shards[index].store
-            # Block tiers have no byte-addressable copy (mapped_rows() is None): map the file.
             array = store.mapped_rows()
-            if array is None:
+            if array is None and store.file_layout == "flat":
+                # Block tiers have no byte-addressable copy: map the file.
                 store.flush()
                 layout = store.layout
                 array = np.memmap(
@@ -49,8 +66,31 @@ class TierViews:
                     offset=store.data_offset,
                     shape=(layout.num_rows, layout.row_width),
                 )
+            elif array is None:
+                array = self._export(index)
             self._mapped[index] = array
         return torch.from_numpy(self._mapped[index])
+
+    def _export(self, index: int) -> np.ndarray[Any, Any]:
+        store = self._shards[index].store
+        directory = store.directory / VIEW_DIR
+        directory.mkdir(mode=0o700, exist_ok=True)
+        copy = ByteSCMStore(
+            directory, f"{store.table}.{store.name}", store.layout, mode=OpenMode.TRUNCATE
+        )
+        self._copies[index] = copy
+        self._exported[index] = None  # filled by the first refresh()
+        return copy.mapped_rows()
+
+    def refresh(self) -> None:
+        """Exports again the copies whose table was written since they were made, so the views
+        show the tier as of now (call it after a flush). Flat tiers need nothing. The copy's
+        dirty pages are written out as the export goes, so it needs little memory."""
+        for index, copy in self._copies.items():
+            store = self._shards[index].store
+            if self._exported[index] != store.version:
+                store.export_rows(copy.mapped_rows(), written=copy.flush)
+                self._exported[index] = store.version
 
     def weight_view(self, index: int) -> torch.Tensor:
         """Shard ``index``'s weights on its tier, ``(rows, cols)``."""
@@ -74,16 +114,25 @@ class TierViews:
         API, chunk by chunk, after a checkpoint load wrote them through the views.
 
         Writes through a tier's ``mapped_rows()`` bypass its bookkeeping; the dram tier, whose
-        view is its in-memory copy, would never write them to its file. (A block tier's view
-        maps the file itself, so it needs nothing.)"""
-        for shard in self._shards if index is None else [self._shards[index]]:
-            store = shard.store
+        view is its in-memory copy, would never write them to its file, and a log-structured
+        tier's view is a copy. (A flat block tier's view maps the file itself: nothing to do.)
+        Nothing may write the tier between the load into the views and this call."""
+        for i in range(len(self._shards)) if index is None else [index]:
+            store = self._shards[i].store
             mapped = store.mapped_rows()
+            if mapped is None and i in self._copies:
+                mapped = self._copies[i].mapped_rows()
             if mapped is None:
                 continue
             for start in range(0, store.layout.num_rows, self._chunk_rows):
                 store.write_range(start, mapped[start : start + self._chunk_rows])
+            if i in self._copies:
+                self._exported[i] = store.version  # the copy is what the tier now holds
 
     def close(self) -> None:
-        """Drops the file mappings (before the stores close)."""
+        """Drops the file mappings and the exported copies (before the stores close)."""
         self._mapped.clear()
+        for copy in self._copies.values():
+            copy.path.unlink(missing_ok=True)
+            copy.close()
+        self._copies.clear()

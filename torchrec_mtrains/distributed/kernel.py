@@ -123,7 +123,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     @property  # type: ignore[override]
     def state(self) -> Any:
-        self._tiers.flush()
+        self._tiers.sync_views()
         return self._tier_state
 
     @state.setter
@@ -231,7 +231,8 @@ class _TieredKernelMixin:
         return self._optim
 
     def flush(self) -> None:
-        self.tiers.flush()
+        # TorchRec calls this before a state dict reads the tables.
+        self.tiers.sync_views()
 
     def purge(self) -> None:
         self.tiers.purge()

@@ -33,8 +33,15 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding
 
 from torchrec_mtrains.cache.policies import POLICIES
-from torchrec_mtrains.tiers import OpenMode, RowStoreError, TierOptions, resolve_options
-from torchrec_mtrains.tiers.base import check_directory
+from torchrec_mtrains.tiers import (
+    OpenMode,
+    RowStore,
+    RowStoreError,
+    TierOptions,
+    resolve_options,
+    tier_class,
+)
+from torchrec_mtrains.tiers.base import FILE_SUFFIX, check_directory
 from torchrec_mtrains.types import Tier, parse_choice
 
 TIERED_KERNEL: str = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -211,8 +218,19 @@ class TierStorage:
 
     def options_for(self, tier: Tier) -> TierOptions:
         """The options ``tier``'s stores are opened with: those given, else the tier's
-        defaults."""
+        defaults. Their ``tier`` names the store that keeps the rows (for ``block_scm``,
+        ``log_block_scm`` when the block tier's layout is the log)."""
         return resolve_options(tier.value, self.tier_options.get(tier.value))
+
+    def store_for(self, tier: Tier) -> type[RowStore]:
+        """The store class that keeps ``tier``'s rows on this host (its file layout)."""
+        return tier_class(self.options_for(tier).tier)
+
+
+def tier_file_name(table: str, row_offset: int, col_offset: int, store: str) -> str:
+    """The file holding the rows of one table shard (first global row and column) in
+    ``store`` (a registered store name, e.g. ``log_block_scm``)."""
+    return f"{table}.r{row_offset}.c{col_offset}.{store}{FILE_SUFFIX}"
 
 
 def tier_options_by_table(plan: Mapping[str, ParameterSharding]) -> dict[str, TieredTableOptions]:

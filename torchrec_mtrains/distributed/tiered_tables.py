@@ -23,7 +23,11 @@ from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
-from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
+from torchrec_mtrains.distributed.options import (
+    TieredTableOptions,
+    TierStorage,
+    tier_file_name,
+)
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
@@ -155,14 +159,18 @@ class TieredTableGroup:
             )
             row_off, col_off = _offsets(table)
             file_name = f"{table.name}.r{row_off}.c{col_off}"
-            existed = (directory / f"{file_name}.{placed.tier.value}.rows").exists()
+            # The tier's options name the store (file layout) that keeps its rows.
+            store_options = storage.options_for(placed.tier)
+            existed = (
+                directory / tier_file_name(table.name, row_off, col_off, store_options.tier)
+            ).exists()
             store = open_store(
                 placed.tier.value,
                 directory,
                 file_name,
                 layout,
                 mode=storage.open_mode,
-                options=storage.options_for(placed.tier),
+                options=store_options,
             )
             created = storage.open_mode is OpenMode.TRUNCATE or not existed
             self.shards.append(
@@ -480,6 +488,13 @@ class TieredTableGroup:
                 shard.cache.mark_dirty(self._in_flight.plans[i].slots)
             shard.store.flush()
 
+    def sync_views(self) -> None:
+        """Flushes, then brings the views (:class:`TierViews`) up to date: before anything
+        reads the tables through them (a state dict, the optimizer's state, a checkpoint load
+        that writes only some of their columns)."""
+        self.flush()
+        self.views.refresh()
+
     # ------------------------------------------------------------ rows changed by training
 
     def track_changes(self) -> None:
@@ -531,6 +546,7 @@ class TieredTableGroup:
         from the tier (used after a checkpoint load wrote the tier directly)."""
         self.cancel_prefetches()
         self.flush(keep_in_flight_dirty=False)
+        self.views.refresh()  # a load may write only some columns of the views
         self._release_in_flight()
         for shard in self.shards:
             shard.cache.clear()
