@@ -33,7 +33,7 @@ from torchrec_mtrains.planner.topology import (
     preset_path,
     store_options,
 )
-from torchrec_mtrains.tiers import BlockScmOptions, ByteScmOptions, DramOptions
+from torchrec_mtrains.tiers import BlockScmOptions, ByteScmOptions, DramOptions, LogBlockScmOptions
 from torchrec_mtrains.types import Tier
 
 PRESETS = available_presets()
@@ -238,3 +238,33 @@ def test_the_block_tiers_block_size_wins_over_the_hosts_and_says_so(
         options = store_options(host)
     assert options["block_scm"] == BlockScmOptions(block_size=8192)
     assert "block_scm.block_size=8192 differs from block_size=4096" in caplog.text
+
+
+def test_the_log_layout_writes_back_for_less_than_in_place_and_opens_log_stores() -> None:
+    """260-byte rows written back in place cost a read-modify-write of their blocks; the log
+    appends them (plus compaction's copies, more the tighter the space bound)."""
+    base = small_host()
+    assert base.block_scm is not None
+    flat = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), base, cache_rows=1)
+    log_host = dataclasses.replace(
+        base, block_scm=dataclasses.replace(base.block_scm, layout="log")
+    )
+    log = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), log_host, cache_rows=1)
+    assert 0 < log.tier_write < flat.tier_write / 4
+    assert log.tier_read >= flat.tier_read  # rows spread over more blocks
+    tight = dataclasses.replace(log_host.block_scm, max_space_amplification=1.2)
+    tighter = shard_step_time(
+        Placement.CACHED_BLOCK_SCM,
+        _work(),
+        dataclasses.replace(log_host, block_scm=tight),
+        cache_rows=1,
+    )
+    assert tighter.tier_write > log.tier_write
+    options = store_options(dataclasses.replace(log_host, block_scm=tight))
+    assert options["block_scm"] == LogBlockScmOptions(
+        block_size=tight.block_size, queue_depth=tight.queue_depth, max_space_amplification=1.2
+    )
+    loaded = load_topology("local", ["hardware.block_scm.layout=log"])
+    assert isinstance(store_options(loaded)["block_scm"], LogBlockScmOptions)
+    with pytest.raises(ValueError, match="layout must be one of flat, log, got 'lsm'"):
+        load_topology("local", ["hardware.block_scm.layout=lsm"])

@@ -33,7 +33,9 @@ are distinct, rows of ``d`` columns plus ``s`` optimizer-state values of ``e`` b
     probability about ``(row - 1) / block``); rows of the same batch sharing a block share its
     I/O (*rows per block*, counted by :func:`distinct_units`). Reads cost ``latency +
     max(ios / read_iops, bytes / read_bandwidth)``; write-backs first read the blocks they only
-    partly cover (read-modify-write), then write every touched block.
+    partly cover (read-modify-write), then write every touched block. In the ``log`` layout
+    (``BlockTierConfig.layout``) write-backs are sequential appends plus compaction's copies
+    (see :func:`block_tier_time`).
   - Rows on DRAM or a storage tier reaching a GPU are also capped by its host link.
   - The ranks of a host share its tiers: each gets ``1 / local_world_size`` of a tier's
     bandwidth and IOPS (latency is not shared).
@@ -328,9 +330,16 @@ def block_tier_time(
 ) -> tuple[float, float]:
     """(read time, write time) of ``reads`` missed rows and ``writes`` written-back rows on a
     block tier, with read amplification, shared blocks and read-modify-write; this rank gets
-    ``share`` of the tier's IOPS and bandwidth."""
+    ``share`` of the tier's IOPS and bandwidth.
+
+    In the ``log`` layout a write-back is a sequential append of the rows' bytes, and
+    compaction reads and rewrites live rows: with the file at most ``S`` times the rows'
+    bytes, cleaning a segment copies at most ``1/(S-1)`` bytes per byte freed. Reads then
+    spread over ``S`` times as many blocks."""
     bs = tier.block_size
-    total_blocks = shard_rows * row_bytes / bs
+    log = tier.layout == "log"
+    amp = tier.max_space_amplification if log else 1.0
+    total_blocks = shard_rows * row_bytes * amp / bs
     read_bw = tier.read_bandwidth_gbs * _GB * share
     write_bw = tier.write_bandwidth_gbs * _GB * share
     read_iops = tier.read_iops * share
@@ -346,7 +355,15 @@ def block_tier_time(
             + tier.read_latency_ns * _NS
             + max(ios / read_iops, ios * bs / read_bw)
         )
-    if writes > 0:
+    if writes > 0 and log:
+        copied = writes * row_bytes / (amp - 1.0)  # compaction's reads and rewrites
+        write_t = (
+            tier.call_overhead_us * _US
+            + tier.write_latency_ns * _NS
+            + (writes * row_bytes + copied) / write_bw
+            + copied / read_bw
+        )
+    elif writes > 0:
         ios = distinct_units(writes, units_per_row(row_bytes, bs), total_blocks)
         rmw = distinct_units(writes, partial_units_per_row(row_bytes, bs), total_blocks)
         write_t = (

@@ -31,7 +31,9 @@ from torchrec_mtrains.planner.perf_model import (
     StepTime,
     shard_step_time,
 )
+from torchrec_mtrains.planner.topology import BlockTierConfig
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
+from torchrec_mtrains.tiers.log_block_scm import index_bytes_per_row
 from torchrec_mtrains.types import Tier
 
 logger = logging.getLogger(__name__)
@@ -161,6 +163,10 @@ class TieredShardEstimator(ShardEstimator):  # type: ignore[misc]
                 row_bytes + SLOT_OVERHEAD_BYTES
             )
             out[Tier.DRAM] = out.get(Tier.DRAM, 0) + rows * ID_MAP_BYTES
+            tier = self.context.host.memory(placement.rows_tier)
+            if isinstance(tier, BlockTierConfig) and tier.layout == "log":  # the log's index
+                index = math.ceil(rows * index_bytes_per_row(tier.max_space_amplification))
+                out[Tier.DRAM] += index
         return out
 
     def step_time(self, option: TieredShardingOption, index: int, cache_rows: float) -> StepTime:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from torchrec_mtrains.tiers import TIERS, BlockScmOptions, TierOptions
+from torchrec_mtrains.tiers import TIERS, BlockScmOptions, TierOptions, layouts_of
 from torchrec_mtrains.types import Tier
 
 if TYPE_CHECKING:
@@ -174,6 +174,12 @@ class BlockTierConfig(MemoryTierConfig):
             costs two I/Os). The block stores use it too (see :func:`store_options`).
         queue_depth: I/Os the tier keeps in flight per rank (the IOPS figures assume it); the
             block stores run at this depth (see :func:`store_options`).
+        layout: how rows lie in the files: ``flat`` (row ``i`` at ``i * row_bytes``, written
+            back in place: a read-modify-write of each block a row partly covers) or ``log``
+            (written back by appending whole blocks, compacted in the background; the
+            ``log_block_scm`` store).
+        max_space_amplification: ``log`` only: the files take at most this many times the
+            rows' bytes (>= 1.1); compaction copies more the lower it is.
         (other fields as for :class:`MemoryTierConfig`; latencies are per I/O at queue depth 1.)
     """
 
@@ -181,6 +187,8 @@ class BlockTierConfig(MemoryTierConfig):
     write_iops: float = 1.0
     block_size: int = 4096
     queue_depth: int = 32
+    layout: str = "flat"
+    max_space_amplification: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -189,6 +197,12 @@ class BlockTierConfig(MemoryTierConfig):
             raise ValueError(f"block_size must be a power of two >= 512, got {self.block_size}")
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
+        layouts = sorted(layouts_of(Tier.BLOCK_SCM.value))
+        if self.layout not in layouts:
+            raise ValueError(f"layout must be one of {', '.join(layouts)}, got {self.layout!r}")
+        amp = self.max_space_amplification
+        if not (math.isfinite(amp) and amp >= 1.1):
+            raise ValueError(f"max_space_amplification must be >= 1.1, got {amp}")
         self.access_bytes = self.block_size
 
 
@@ -467,6 +481,8 @@ def store_options(host: HostTopology) -> dict[str, TierOptions]:
         if store_cls is None:  # HBM holds caches, not stores
             continue
         config = host.memory(tier)
+        if isinstance(config, BlockTierConfig):  # the store of its file layout
+            store_cls = layouts_of(tier.value)[config.layout]
         options_type = store_cls.options_type
         missing = [f for f in options_type.hardware_fields if not hasattr(config, f)]
         if missing:
