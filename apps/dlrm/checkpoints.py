@@ -40,15 +40,16 @@ from torchrec.distributed.types import ParameterSharding
 from torchrec.optim.keyed import CombinedOptimizer
 
 from apps.dlrm.errors import CheckpointError, ConfigError, RunDirError
-from apps.dlrm.model import tier_mounts, tier_root
+from apps.dlrm.model import build_storage, tier_mounts, tier_root
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import (
     changed_state_dict,
     clear_changes,
     load_changed_state,
 )
+from torchrec_mtrains.distributed.options import tier_file_name
 from torchrec_mtrains.pipeline.stats import tiered_groups
-from torchrec_mtrains.types import Tier
+from torchrec_mtrains.types import RowLayout, Tier
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -669,6 +670,7 @@ def plan_record(
     device type it was planned for."""
     tables: dict[str, Any] = {}
     files: dict[str, list[str]] = {str(r): [] for r in range(world)}
+    storage = build_storage(cfg, resume=True)
     for name, ps in sorted(plan.items()):
         shards = _shards(ps)
         tables[name] = {
@@ -678,13 +680,14 @@ def plan_record(
             "shards": shards,
         }
         if isinstance(ps, TieredParameterSharding):
-            tier = ps.tier_options.tier.value
+            tier = ps.tier_options.tier
+            store = storage.store_for(tier).name
             for offsets, _, shard_rank in shards:
                 if shard_rank is None:
                     continue
-                file = f"{name}.r{offsets[0]}.c{offsets[1]}.{tier}.rows"
+                file = tier_file_name(name, offsets[0], offsets[1], store)
                 files.setdefault(str(shard_rank), []).append(
-                    str(_tier_dir(cfg, tier, shard_rank) / file)
+                    str(_tier_dir(cfg, tier.value, shard_rank) / file)
                 )
     return {"world_size": world, "device": device_type, "tables": tables, "files": files}
 
@@ -696,19 +699,22 @@ def tier_space_problem(
     preallocated in full when created; files already there are not counted), or None.
     ``state_width`` is the optimizer state's floats per row (row-wise Adagrad: 1)."""
     need: dict[int, tuple[Path, int]] = {}
+    storage = build_storage(cfg, resume=True)
     for name, ps in plan.items():
         if not isinstance(ps, TieredParameterSharding):
             continue
-        tier = ps.tier_options.tier.value
-        directory = _tier_dir(cfg, tier, rank)
+        tier = ps.tier_options.tier
+        store = storage.store_for(tier)
+        directory = _tier_dir(cfg, tier.value, rank)
         for offsets, sizes, shard_rank in _shards(ps):
-            file = directory / f"{name}.r{offsets[0]}.c{offsets[1]}.{tier}.rows"
+            file = directory / tier_file_name(name, offsets[0], offsets[1], store.name)
             if shard_rank != rank or file.exists():
                 continue
             existing = next(p for p in (directory, *directory.parents) if p.exists())
             device = existing.stat().st_dev
             _, total = need.get(device, (existing, 0))
-            need[device] = (existing, total + sizes[0] * (sizes[1] + state_width) * 4 + 4096)
+            layout = RowLayout(num_rows=sizes[0], dim=sizes[1], state_width=state_width)
+            need[device] = (existing, total + store.file_bytes(layout, storage.options_for(tier)))
     for existing, total in need.values():
         free = shutil.disk_usage(existing).free
         if total > free:

@@ -440,3 +440,25 @@ def test_final_checkpoint_can_be_skipped(tmp_path: Path) -> None:
         config(run_dir, "run.steps=6", "run.checkpoint_every=4", "run.final_checkpoint=false")
     )
     assert metrics["checkpoint"] == str(run_dir / "checkpoints" / "step_00000004")
+
+
+def test_the_block_tiers_log_layout_trains_resumes_and_matches_the_flat_one(
+    tmp_path: Path,
+) -> None:
+    """``hardware.block_scm.layout=log`` keeps the block tier's tables in log-structured files:
+    a run stopped after a checkpoint resumes from them, reopening them, and ends exactly where
+    the same run on the flat layout ends."""
+    log = ["hardware.block_scm.layout=log"]
+    flat = main(config(tmp_path / "flat", "run.steps=16"))
+    main(config(tmp_path / "log", *log, "run.steps=12", "run.checkpoint_every=8"))
+    (tmp_path / "log" / "checkpoints" / "step_00000012" / "DONE").unlink()
+    record = json.loads((tmp_path / "log" / "plan.json").read_text())
+    files = [Path(f).name for f in record["files"]["0"]]
+    assert any(f.endswith(".log_block_scm.rows") for f in files), files
+    assert not any(f.endswith(".block_scm.rows") and "log_" not in f for f in files), files
+    resumed = main(config(tmp_path / "log", *log, "run.steps=16", "run.resume=true"))
+
+    assert resumed["resumed_from_step"] == 8
+    assert resumed["tier_files"]["created"] == 0
+    assert resumed["train_loss_last"] == pytest.approx(flat["train_loss_last"], abs=1e-5)
+    assert resumed["eval_auc"] == pytest.approx(flat["eval_auc"], abs=1e-5)
