@@ -14,9 +14,12 @@ Variants, each in its own subprocess:
   ``preallocated_host_buffers``), paged by the OS. The run checks that the kernel's weights are
   the mapping and that the file holds the trained rows.
 * ``ours``: the tiered planner's plan (``torchrec_mtrains.planner.plan_tables``) for the DRAM
-  budget: small tables on FUSED in DRAM, big ones on the block tier (O_DIRECT) behind row
-  caches, trained by the look-ahead pipeline (``torchrec_mtrains.pipeline``): the rows of the
-  next ``--lookahead`` batches are read in the background (``--lookahead 0``: the plain loop).
+  budget: small tables on FUSED in DRAM, big ones on the block tier (O_DIRECT, in its
+  flat layout, rows written back in place, unless ``--block-layout log``) behind row caches,
+  trained by the look-ahead pipeline (``torchrec_mtrains.pipeline``): the rows of the next
+  ``--lookahead`` batches are read in the background (``--lookahead 0``: the plain loop).
+  ``ours_log``: the same with the block tier's log-structured layout (``log_block_scm``:
+  write-backs appended), at ``--extra-budgets``; its index takes host memory the plan counts.
 
 B and ours run under a memory cap of ``budget x embedding bytes + overhead``: the overhead is the
 peak memory of a probe process that does everything the variants do (imports, dense model,
@@ -92,8 +95,6 @@ from apps.dlrm.data import (
 )
 from torchrec_mtrains.distributed import (
     TieredEmbeddingBagCollectionSharder,
-    TieredParameterSharding,
-    TieredTableOptions,
     TierStorage,
 )
 from torchrec_mtrains.distributed.runtime import process_group
@@ -131,8 +132,8 @@ TARGET_VS_A = 0.9
 TARGET_VS_B = 3.0
 TARGET_FIO = 0.7
 TARGET_BUDGET = 0.15
-VARIANTS = ("A", "B", "B_plain", "ours", "ours_1f")
-EXTRA_VARIANTS = ("B_plain", "ours_1f")  # run only at --extra-budgets
+VARIANTS = ("A", "B", "B_plain", "ours", "ours_log")
+EXTRA_VARIANTS = ("B_plain", "ours_log")  # run only at --extra-budgets
 # The block tier's buffers are DRAM too: passes of at most 4 MiB of blocks (1024 I/Os, plenty to
 # keep 32 in flight) keep each store's idle buffers under ~8 MiB. The plan leaves room for them
 # and for what the probe does not have: the outputs of several kernels are concatenated (one more
@@ -232,7 +233,7 @@ class WorkerSpec:
     cold_start: bool = True
     max_warmup_s: float = 1e9
     fill_caches: bool = True  # ours warms up until its caches are full
-    caches: str = "planner"
+    block_layout: str = "flat"
 
 
 # ------------------------------------------------------------------------------------ model
@@ -502,14 +503,18 @@ def tiered_plan(
     budget_bytes: int,
     lookahead: int,
     sharder: TieredEmbeddingBagCollectionSharder,
+    block_layout: str,
 ) -> tuple[EmbeddingModuleShardingPlan, str, dict[str, Any]]:
     """The tiered planner's plan for ``budget_bytes`` of DRAM on this host.
 
     The host is the ``local`` hardware preset with DRAM for embeddings set to the budget and
     without the byte tier: under a memory cap a memory-mapped byte tier lives in the capped page
-    cache, i.e. it is DRAM the budget already counts (that is variant B)."""
+    cache, i.e. it is DRAM the budget already counts (that is variant B). Its block tier has
+    ``block_layout`` (``flat`` or ``log``)."""
     host = copy.deepcopy(load_topology("local"))
     host.byte_scm = None
+    assert host.block_scm is not None
+    host.block_scm.layout = block_layout
     host.dram.capacity = str(parse_size(host.dram_reserved) + budget_bytes)
     configs = wl.configs()
     access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
@@ -534,43 +539,20 @@ def tiered_plan(
     return plan, str(summary), info
 
 
-def one_cache_factor(plan: EmbeddingModuleShardingPlan, wl: Workload) -> float:
-    """Gives every tiered table of ``plan`` one cache load factor (in place), keeping the total
-    cache rows: tables with equal tier options share one tiered kernel (TorchRec groups tables
-    by their fused parameters), so the step runs one cache kernel instead of one per table.
-    Returns the factor."""
-    rows = {c.name: c.num_embeddings for c in wl.configs()}
-    tiered = {n: ps for n, ps in plan.items() if isinstance(ps, TieredParameterSharding)}
-    if not tiered:
-        return 0.0
-    cached = sum(ps.tier_options.cache_rows(rows[n]) for n, ps in tiered.items())
-    factor = min(1.0, cached / sum(rows[n] for n in tiered))
-    for name, ps in tiered.items():
-        o = ps.tier_options
-        plan[name] = TieredParameterSharding.wrap(
-            ps, TieredTableOptions(o.tier, cache_load_factor=factor, cache_policy=o.cache_policy)
-        )
-    return factor
-
-
 def build_tiered(
-    wl: Workload, directory: Path, budget_bytes: int, lookahead: int, caches: str = "planner"
+    wl: Workload, directory: Path, budget_bytes: int, lookahead: int, block_layout: str = "flat"
 ) -> Built:
+    block = {"layout": block_layout, "block_size": BLOCK_SIZE, "max_pass_bytes": IO_PASS_BYTES}
     storage = TierStorage(
-        root=str(directory),
-        tier_options={"block_scm": {"block_size": BLOCK_SIZE, "max_pass_bytes": IO_PASS_BYTES}},
-        open_mode=OpenMode.OPEN_OR_CREATE,
+        root=str(directory), tier_options={"block_scm": block}, open_mode=OpenMode.OPEN_OR_CREATE
     )
     sharder = TieredEmbeddingBagCollectionSharder(
         storage, offer_tiered_kernel=True, fused_params=_fused_params()
     )
     reserve = min(IO_RESERVE_BYTES, budget_bytes // 8)
-    plan, text, info = tiered_plan(wl, budget_bytes - reserve, lookahead, sharder)
+    plan, text, info = tiered_plan(wl, budget_bytes - reserve, lookahead, sharder, block_layout)
     info["io_reserve_bytes"] = reserve
-    info["caches"] = caches
-    if caches == "one-factor":
-        info["one_cache_factor"] = one_cache_factor(plan, wl)
-        text += f"\ncaches: one load factor {info['one_cache_factor']:.4f} for all tiered tables"
+    info["block_layout"] = block_layout
     model, dense = _shard(wl, wl.sizes, sharder, plan)
     files = [p for p in directory.rglob("*.rows")]
     return Built(model, dense, files=files, plan_text=text, info=info)
@@ -678,6 +660,7 @@ def tier_delta(
         "writebacks": sum(t["writebacks"] for t in tables.values()),
         "tier_bytes_read": sum(t["tier_bytes_read"] for t in tables.values()),
         "tier_bytes_written": sum(t["tier_bytes_written"] for t in tables.values()),
+        "tier_io_calls": sum(t.get("tier_io_calls", 0.0) for t in tables.values()),
         "tables": tables,
     }
 
@@ -739,12 +722,12 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
             built = build_fused(wl, sizes)
         elif spec.variant in ("B", "B_plain"):
             built = build_mmap(wl, directory, spec.b_advice)
-        elif spec.variant in ("ours", "ours_1f"):
+        elif spec.variant in ("ours", "ours_log"):
             if spec.budget_fraction is None:
                 raise ValueError(f"variant {spec.variant} needs a budget")
             budget = int(spec.budget_fraction * wl.embedding_bytes)
-            caches = "one-factor" if spec.variant == "ours_1f" else spec.caches
-            built = build_tiered(wl, directory, budget, spec.lookahead, caches)
+            layout = "log" if spec.variant == "ours_log" else spec.block_layout
+            built = build_tiered(wl, directory, budget, spec.lookahead, layout)
         else:
             raise ValueError(f"unknown variant {spec.variant!r}; expected one of {VARIANTS}")
         result["build_s"] = time.perf_counter() - t0
@@ -945,7 +928,7 @@ class Runner:
         # mapped files (written once by init_mmap_files).
         shared = {
             "ours": "ours_tiers",
-            "ours_1f": "ours_tiers",
+            "ours_log": "ours_log_tiers",
             "B": "b_files",
             "B_plain": "b_files",
         }
@@ -965,7 +948,7 @@ class Runner:
                 self.args.b_max_warmup_s if variant.startswith("B") else self.args.max_warmup_s
             ),
             fill_caches=not self.args.smoke,
-            caches=self.args.caches,
+            block_layout=self.args.block_layout,
         )
         spec_path = self.work / f"{tag}.spec.json"
         write_json(spec_path, asdict(spec))
@@ -1045,8 +1028,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "B_vs_A": b_rate / a_rate if a_rate and b_rate else None,
             "ours_vs_A": o_rate / a_rate if a_rate and o_rate else None,
             "ours_vs_B": o_rate / b_rate if o_rate and b_rate else None,
-            "ours_1f_samples_per_s": _rate(pair.get("ours_1f", {})),
-            "ours_1f_vs_A": _ratio(_rate(pair.get("ours_1f", {})), a_rate),
+            "ours_log_samples_per_s": _rate(pair.get("ours_log", {})),
+            "ours_log_vs_A": _ratio(_rate(pair.get("ours_log", {})), a_rate),
             "B_plain_samples_per_s": p_rate,
             "ours_vs_B_plain": o_rate / p_rate if o_rate and p_rate else None,
             "B_excess_ms_per_step": _excess(b, a),
@@ -1096,9 +1079,12 @@ def _device_floor(
     ours: dict[str, Any], a: dict[str, Any], fio_iops: float | None
 ) -> dict[str, Any]:
     """The block I/O a step of ours needs and the device time it takes at fio's random-read
-    rate: misses read their blocks, and every dirty row written back costs a read-modify-write
-    of its block(s) (a row is 260 B, a block 4 KiB). With I/O fully overlapped, a step cannot
-    be shorter than this; ``A's step / floor`` bounds ours / A on this device."""
+    rate: misses read their blocks, and dirty rows written back cost a read-modify-write of
+    their block(s) in the flat layout (a row is 260 B, a block 4 KiB), or their share of
+    sequential appends and compaction in the log layout. Counted in 4 KiB blocks moved; the
+    I/O calls (an append or a merged run is one call) are reported beside. With I/O fully
+    overlapped, a step cannot be shorter than this floor (conservative for the log's
+    sequential I/O); ``A's step / floor`` bounds ours / A on this device."""
     tiers = ours.get("tiers") if ours.get("ok") else None
     if not tiers:
         return {"ours_blocks_per_step": None, "ours_device_floor_ms": None}
@@ -1108,6 +1094,7 @@ def _device_floor(
     a_step = a.get("step_ms_median") if a.get("ok") else None
     return {
         "ours_blocks_per_step": blocks,
+        "ours_io_calls_per_step": tiers.get("tier_io_calls", 0.0) / steps,
         "ours_device_floor_ms": floor_ms,
         "ours_vs_A_device_bound": a_step / floor_ms if a_step and floor_ms else None,
     }
@@ -1166,11 +1153,11 @@ def print_summary(results: dict[str, Any]) -> None:
             f"{f(r['ours_hit_rate'], '>6.3f')} {f(r['ours_stall_share'], '>6.1%')}"
         )
     for r in s["table"]:
-        if r["ours_1f_samples_per_s"]:
+        if r["ours_log_samples_per_s"]:
             print(
-                f"ours_1f (the plan's tiers, one cache factor: one tiered kernel) at "
-                f"{r['budget_fraction']:.0%}: {r['ours_1f_samples_per_s']:,.0f} samples/s, "
-                f"{f(r['ours_1f_vs_A'], '.2f')} x A"
+                f"ours_log (ours with the block tier's log layout, write-backs appended) at "
+                f"{r['budget_fraction']:.0%}: {r['ours_log_samples_per_s']:,.0f} samples/s, "
+                f"{f(r['ours_log_vs_A'], '.2f')} x A"
             )
         if r["B_plain_samples_per_s"]:
             print(
@@ -1206,7 +1193,7 @@ _SERIES = (
         "o",
         "#ff7f0e",
     ),
-    ("ours_1f_samples_per_s", "ours_1f: same tiers, one cache factor (one kernel)", "D", "#8c564b"),
+    ("ours_log_samples_per_s", "ours_log: same, block tier log-structured", "D", "#8c564b"),
 )
 _RATIOS = (
     ("B_vs_A", "B / A", "s", "#1f77b4"),
@@ -1379,8 +1366,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--extra-budgets",
         type=parse_budgets,
         default=[TARGET_BUDGET],
-        help="budgets at which B_plain (slow: the OS reads around every fault) and ours_1f "
-        "(ours with one cache factor) run",
+        help="budgets at which B_plain (slow: the OS reads around every fault) and ours_log "
+        "(ours with the block tier's log layout) run",
     )
     parser.add_argument(
         "--b-plain-steps",
@@ -1407,11 +1394,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="the same for B and B_plain (their page cache fills the cap within a few steps)",
     )
     parser.add_argument(
-        "--caches",
-        choices=["planner", "one-factor"],
-        default="planner",
-        help="ours' cache sizes: the planner's per table, or one load factor for all tiered "
-        "tables with the same total rows (they then share one kernel)",
+        "--block-layout",
+        choices=["flat", "log"],
+        default="flat",
+        help="ours' block tier: flat (written back in place) or log-structured (appended)",
     )
     parser.add_argument(
         "--no-thp",
@@ -1557,7 +1543,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             cap = int(budget * wl.embedding_bytes) + overhead + margin
             pair: dict[str, Any] = {"cap_bytes": cap if capped else None}
             extra = any(math.isclose(budget, b) for b in args.extra_budgets)
-            for variant in ("B", "B_plain", "ours", "ours_1f"):
+            for variant in ("B", "B_plain", "ours", "ours_log"):
                 if variant not in variants or (variant in EXTRA_VARIANTS and not extra):
                     continue
                 which = {"B": b_steps, "B_plain": b_plain_steps}.get(variant)
