@@ -214,7 +214,7 @@ def _tier_counters(model: torch.nn.Module) -> list[float]:
     out = [0.0] * (_TIER_COUNTERS * len(index))
     for group in tiered_groups(model):
         for shard in group.shards:
-            at = _TIER_COUNTERS * index[shard.store.name]
+            at = _TIER_COUNTERS * index[shard.store.serves_tier]
             out[at] += shard.cache.stats.hits
             out[at + 1] += shard.cache.stats.lookups
             out[at + 2] += shard.store.stats.bytes_read
