@@ -757,7 +757,7 @@ def isolated_block_reads(groups: list[TieredTableGroup], rows: int, calls: int =
     """Random single-row reads from the largest block-tier table alone (no training running),
     in calls of ``rows`` ids, the size of a step's misses: the tier's miss service without
     competition for the CPU."""
-    shards = [sh for g in groups for sh in g.shards if sh.store.name == "block_scm"]
+    shards = [sh for g in groups for sh in g.shards if sh.store.serves_tier == "block_scm"]
     if not shards or rows <= 0:
         return None
     store = max(shards, key=lambda sh: sh.local_rows).store
