@@ -1199,6 +1199,7 @@ _RATIOS = (
     ("B_vs_A", "B / A", "s", "#1f77b4"),
     ("ours_vs_A", "ours / A", "o", "#ff7f0e"),
     ("ours_vs_B", "ours / B", "^", "#2ca02c"),
+    ("ours_log_vs_A", "ours_log / A", "D", "#8c564b"),
 )
 
 

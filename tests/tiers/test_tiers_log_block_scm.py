@@ -29,11 +29,17 @@ from torchrec_mtrains.tiers import (
     HeaderMismatchError,
     RowStoreError,
     layouts_of,
+    log_block_scm,
     open_store,
     resolve_options,
 )
 from torchrec_mtrains.tiers.block_scm import BlockSCMStore
-from torchrec_mtrains.tiers.log_block_scm import CKPT_MAGIC, LogBlockScmOptions, LogBlockSCMStore
+from torchrec_mtrains.tiers.log_block_scm import (
+    CKPT_MAGIC,
+    LogBlockScmOptions,
+    LogBlockSCMStore,
+    index_bytes_per_row,
+)
 from torchrec_mtrains.types import RowLayout
 
 HERE = Path(__file__).resolve().parent
@@ -255,6 +261,66 @@ def test_flushed_copies_pinned_by_rewrites_grow_the_file_until_a_flush(
         store.flush()  # the first copies are free now: compaction brings the file back
         assert _file_data_bytes(store) == store.file_data_bytes <= bound
         np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), second)
+
+
+def test_the_index_is_four_bytes_a_row_and_widens_when_the_file_outgrows_int32_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert index_bytes_per_row(100_000_000, 2.0) == 4
+    assert index_bytes_per_row(2**31, 2.0) == 8  # 2^32 slots: int64
+    rng = np.random.default_rng(12)
+    with _store(tmp_path, SMALL, max_space_amplification=1.5, **SMALL_OPTIONS) as store:
+        assert store._loc.dtype == np.int32
+        # Pretend int32 ends at the bound's slots, then outgrow it as the pinning test does.
+        limit = store.segments * store.geometry.segment_slots
+        monkeypatch.setattr(
+            log_block_scm, "index_dtype", lambda slots: np.int32 if slots <= limit else np.int64
+        )
+        first = exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32")
+        store.write_range(0, first)
+        store.flush()
+        second = exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32")
+        for start in range(0, SMALL.num_rows, 500):
+            store.write_range(start, second[start : start + 500])
+        assert store.segments * store.geometry.segment_slots > limit
+        assert store._loc.dtype == np.int64
+        np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), second)
+        store.flush()
+    with _store(tmp_path, SMALL, mode="open", max_space_amplification=1.5, **SMALL_OPTIONS) as s:
+        assert s._loc.dtype == np.int32  # back within the bound
+        np.testing.assert_array_equal(s.read_range(0, SMALL.num_rows), second)
+
+
+def test_a_flush_finds_the_rows_of_many_victims_in_one_scan_of_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index keeps no slot -> row map: each scan for a segment's rows reads the whole
+    row -> slot map, so a flush compacting many segments batches them."""
+    rng = np.random.default_rng(13)
+    expected = np.zeros((SMALL.num_rows, SMALL.row_width), np.float32)
+    options = {**SMALL_OPTIONS, "max_space_amplification": 2.0}
+    with _store(tmp_path, SMALL, **options) as store:
+        expected[:] = exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32")
+        store.write_range(0, expected)
+        store.flush()
+        # Two thirds rewritten: dead rows everywhere, and fewer free segments than a flush
+        # leaves (half the dead space the bound allows).
+        ids = rng.choice(SMALL.num_rows, 2 * SMALL.num_rows // 3, replace=False)
+        expected[ids] = exact_rows(rng, ids.size, SMALL.row_width, "fp32")
+        store.write_rows(ids, expected[ids])
+        scans = []
+        real_scan = store._scan
+        monkeypatch.setattr(store, "_scan", lambda select: scans.append(1) or real_scan(select))
+        evacuated = []
+        real_evacuate = store._evacuate
+        monkeypatch.setattr(
+            store, "_evacuate", lambda segs: evacuated.append(segs.size) or real_evacuate(segs)
+        )
+        store.flush()
+        assert sum(evacuated) > 2 * len(scans) > 0
+        np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), expected)
+    with _store(tmp_path, SMALL, mode="open", **options) as store:
+        np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), expected)
 
 
 def test_readers_see_exact_rows_while_compaction_moves_them(tmp_path: Path) -> None:

@@ -165,7 +165,7 @@ class TieredShardEstimator(ShardEstimator):  # type: ignore[misc]
             out[Tier.DRAM] = out.get(Tier.DRAM, 0) + rows * ID_MAP_BYTES
             tier = self.context.host.memory(placement.rows_tier)
             if isinstance(tier, BlockTierConfig) and tier.layout == "log":  # the log's index
-                index = math.ceil(rows * index_bytes_per_row(tier.max_space_amplification))
+                index = math.ceil(rows * index_bytes_per_row(rows, tier.max_space_amplification))
                 out[Tier.DRAM] += index
         return out
 

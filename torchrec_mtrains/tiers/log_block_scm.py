@@ -6,7 +6,9 @@ rows costs ~8k random 4 KiB I/Os. Here a batch of rows is packed densely (rows m
 blocks, never segments) and appended at the head of the log in one contiguous write, split
 into ``max_io_bytes`` pieces kept in flight by the block I/O engine; nothing is ever read to be
 written. Reads look the newest copy up in an in-memory index and coalesce rows that share or
-neighbour blocks, as the block tier does.
+neighbour blocks, as the block tier does. That index is the row -> slot map alone, int32 while
+the file's slots fit (4 bytes a row): which rows a segment holds, which compaction and export
+need, is found by scanning it, once per batch of segments.
 
 The price is dead space: a rewritten row leaves its old copy behind. Compaction copies the live
 rows of the emptiest segments to the head so the file stays within ``max_space_amplification``
@@ -88,9 +90,11 @@ _RESERVE_SEGMENTS = 3  # capacity beyond the live rows however small the table: 
 _MIN_SEGMENTS = 16  # a small table still spreads over this many segments, so it compacts finely
 _MIN_GAIN = 8  # a compaction victim frees at least 1/8 of a segment
 _FLUSH_ROUNDS = 4  # compaction + checkpoint rounds one flush may run
+_SCAN_CHUNK = 1 << 22  # rows of the index scanned at once (bounds the scan's scratch memory)
 _FREE, _USED = 0, 1
 
 U8Array = npt.NDArray[np.uint8]
+SlotArray = npt.NDArray[np.signedinteger[Any]]  # the row -> slot map: int32 or int64
 
 
 @dataclass(frozen=True)
@@ -159,10 +163,17 @@ class LogBlockScmOptions(TierOptions):
             )
 
 
-def index_bytes_per_row(max_space_amplification: float) -> float:
-    """Host memory the store's index takes per table row: its row -> slot map (int64) and its
-    slot -> row map over the file's slots (int64, ``max_space_amplification`` slots a row)."""
-    return 8.0 + 8.0 * max_space_amplification
+def index_dtype(file_slots: int) -> type[np.signedinteger[Any]]:
+    """The row -> slot map's element type for a file of ``file_slots`` row slots: int32 while
+    every slot fits (2^31 slots of a 260-byte row is ~520 GiB), else int64."""
+    return np.int32 if file_slots <= np.iinfo(np.int32).max else np.int64
+
+
+def index_bytes_per_row(num_rows: int, max_space_amplification: float) -> int:
+    """Host memory the store's index takes per table row: its row -> slot map, the only
+    per-row state it keeps (which row a slot holds is found by scanning that map)."""
+    slots = math.ceil(max_space_amplification * num_rows) + 1
+    return int(np.dtype(index_dtype(slots)).itemsize)
 
 
 @dataclass(frozen=True)
@@ -204,9 +215,9 @@ class LogGeometry:
         bound = int(max_space_amplification * self.num_rows * self.row_bytes) // self.segment_bytes
         return max(bound, live_segments + _RESERVE_SEGMENTS)
 
-    def offsets(self, slots: I64Array) -> I64Array:
+    def offsets(self, slots: SlotArray) -> I64Array:
         """File byte offsets of ``slots``."""
-        seg, within = np.divmod(slots, self.segment_slots)
+        seg, within = np.divmod(slots.astype(np.int64, copy=False), self.segment_slots)
         return self.data_offset + seg * self.segment_bytes + within * self.row_bytes
 
 
@@ -232,7 +243,7 @@ class _Checkpoint:
     generation: int
     head_segment: int
     head_slot: int
-    loc: I64Array = field(repr=False)
+    loc: SlotArray = field(repr=False)
 
 
 class _ReadGate:
@@ -401,11 +412,7 @@ class LogBlockSCMStore(RowStore):
                     segs = group[first : first + run]
                     s0, count = int(segs[0]), int(segs.size)
                     region = self._read_region(geo.data_offset + s0 * sb, count * sb)
-                    slots = np.arange(s0 * ss, (s0 + count) * ss, dtype=np.int64)
-                    owners = self._owner[slots]
-                    live = owners >= 0
-                    live[live] = self._loc[owners[live]] == slots[live]
-                    slots, owners = slots[live], owners[live]
+                    owners, slots = self._rows_between(s0 * ss, (s0 + count) * ss)
                     pos = (slots // ss - s0) * sb + (slots % ss) * rb
                     raw = region[pos[:, None] + np.arange(rb, dtype=np.int64)]
                     out[owners] = raw.view(dtype).reshape(owners.size, -1)
@@ -421,7 +428,8 @@ class LogBlockSCMStore(RowStore):
         segments = (self._file_size() - geo.data_offset) // geo.segment_bytes
         ckpt = None if self.created else self._load_checkpoint(segments)
         if ckpt is None:
-            loc = np.full(self.layout.num_rows, -1, dtype=np.int64)
+            slots = max(segments, self.capacity) * geo.segment_slots
+            loc = np.full(self.layout.num_rows, -1, dtype=index_dtype(slots))
             ckpt = _Checkpoint(0, -1, 0, loc)
         self._install(ckpt, segments)
         if segments < self.capacity:  # a new file is made at capacity; this grows older ones
@@ -431,11 +439,9 @@ class LogBlockSCMStore(RowStore):
 
     def _install(self, ckpt: _Checkpoint, segments: int) -> None:
         ss = self.geometry.segment_slots
-        self._loc = ckpt.loc
+        self._loc = ckpt.loc.astype(index_dtype(max(segments, self.capacity) * ss), copy=False)
         self._generation = ckpt.generation
         used = self._loc[self._loc >= 0]
-        self._owner = np.full(segments * ss, -1, dtype=np.int64)
-        self._owner[used] = np.flatnonzero(self._loc >= 0)
         self._live = np.bincount(used // ss, minlength=segments).astype(np.int64)
         self._state = np.where(self._live > 0, _USED, _FREE).astype(np.int8)
         self._pinned = self._live > 0
@@ -654,11 +660,11 @@ class LogBlockSCMStore(RowStore):
         grows the file past the bound when none has enough dead rows."""
         need = count + self.geometry.segment_slots
         while (available := self._available()) < need:
-            victim = self._pick_victim(pinned_ok=False)
-            if victim is None or self._live[victim] > available:
+            victims = self._victims(pinned_ok=False)
+            if not victims.size or self._live[victims[0]] > available:
                 self._grow(-(-(need - available) // self.geometry.segment_slots))
                 return
-            self._evacuate(victim)
+            self._evacuate(victims[:1])
 
     def _append(self, ids: IdArray, raw: U8Array) -> tuple[int, int]:
         """Writes ``raw`` rows as the next slots of the log, in one engine call, then points
@@ -739,7 +745,6 @@ class LogBlockSCMStore(RowStore):
         old = self._loc[ids]
         old = old[old >= 0]
         self._loc[ids] = new
-        self._owner[new] = ids
         self._live += np.bincount(new // ss, minlength=self._live.size)
         emptied = old // ss
         self._live -= np.bincount(emptied, minlength=self._live.size)
@@ -756,8 +761,8 @@ class LogBlockSCMStore(RowStore):
 
     # --------------------------------------------------------------------------- compaction
 
-    def _pick_victim(self, pinned_ok: bool) -> int | None:
-        """The emptiest segment whose compaction frees a useful share of it: at a flush
+    def _victims(self, pinned_ok: bool) -> I64Array:
+        """Segments whose compaction frees a useful share of them, emptiest first: at a flush
         (``pinned_ok``: freed by the next checkpoint) 1/8; between flushes, where only
         segments written since the last one can be freed, 1/4 (copying fuller segments costs
         more I/O than the space is worth: the file grows instead until the next flush)."""
@@ -769,19 +774,44 @@ class LogBlockSCMStore(RowStore):
         if self._head >= 0:
             candidates[self._head] = False
         found = np.flatnonzero(candidates)
-        return int(found[np.argmin(self._live[found])]) if found.size else None
+        return found[np.argsort(self._live[found], kind="stable")]
 
-    def _evacuate(self, segment: int) -> None:
-        """Copies the live rows of ``segment`` to the head (the caller made room for them)."""
+    def _rows_between(self, first_slot: int, end_slot: int) -> tuple[I64Array, I64Array]:
+        """The rows whose newest copy lies in slots ``first_slot`` up to ``end_slot``: ids and
+        slots, in slot order."""
+        return self._scan(lambda loc: (loc >= first_slot) & (loc < end_slot))
+
+    def _rows_in(self, segments: I64Array) -> tuple[I64Array, I64Array]:
+        """The rows whose newest copy lies in ``segments``: ids and slots, in slot order."""
+        if segments.size == 1:
+            ss, first = self.geometry.segment_slots, int(segments[0])
+            return self._rows_between(first * ss, (first + 1) * ss)
+        wanted = np.zeros(self.segments + 1, dtype=bool)  # the last entry: loc -1 (no copy)
+        wanted[segments] = True
         ss = self.geometry.segment_slots
-        slots = np.arange(segment * ss, (segment + 1) * ss, dtype=np.int64)
-        owners = self._owner[slots]
-        live = owners >= 0
-        live[live] = self._loc[owners[live]] == slots[live]
-        ids = owners[live]
+        return self._scan(lambda loc: wanted[loc // ss])
+
+    def _scan(
+        self, select: Callable[[SlotArray], npt.NDArray[np.bool_]]
+    ) -> tuple[I64Array, I64Array]:
+        """Ids whose slot ``select`` keeps (a mask over a piece of the row -> slot map) and
+        their slots, in slot order. The map is scanned in pieces to bound scratch memory."""
+        loc = self._loc
+        found = [
+            np.flatnonzero(select(loc[start : start + _SCAN_CHUNK])) + start
+            for start in range(0, loc.size, _SCAN_CHUNK)
+        ]
+        ids = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        slots = loc[ids].astype(np.int64)
+        order = np.argsort(slots, kind="stable")
+        return ids[order].astype(np.int64, copy=False), slots[order]
+
+    def _evacuate(self, segments: I64Array) -> None:
+        """Copies the live rows of ``segments`` to the head (the caller made room for them)."""
+        ids, slots = self._rows_in(segments)
         if not ids.size:
             return
-        rows, read, read_calls = self._gather(slots[live])
+        rows, read, read_calls = self._gather(slots)
         written, write_calls = self._append(ids, rows.view(np.uint8).reshape(ids.size, -1))
         self._count(bytes_read=read, bytes_written=written, io_calls=read_calls + write_calls)
         stats = self.log_stats
@@ -815,13 +845,13 @@ class LogBlockSCMStore(RowStore):
             raise self._os_error(e, f"resizing to {segments} segments") from e
         extra = segments - old
         if extra >= 0:
-            ss = geo.segment_slots
-            self._owner = np.concatenate((self._owner, np.full(extra * ss, -1, np.int64)))
+            wide = index_dtype(segments * geo.segment_slots)
+            if self._loc.dtype != wide:  # the file outgrew int32 slots
+                self._loc = self._loc.astype(wide)
             self._live = np.concatenate((self._live, np.zeros(extra, np.int64)))
             self._state = np.concatenate((self._state, np.full(extra, _FREE, np.int8)))
             self._pinned = np.concatenate((self._pinned, np.zeros(extra, bool)))
         else:
-            self._owner = self._owner[: segments * geo.segment_slots]
             self._live, self._state = self._live[:segments], self._state[:segments]
             self._pinned = self._pinned[:segments]
 
@@ -868,14 +898,14 @@ class LogBlockSCMStore(RowStore):
             CKPT_MAGIC, gen, geo.block_size, geo.segment_blocks, self.segments,
             self._head, self._head_slot, n, geo.row_bytes,
         )  # fmt: skip
-        index = self._loc.astype("<i8", copy=False).view(np.uint8)
-        crc = zlib.crc32(index.data, zlib.crc32(header))
         buf = self._buffers.take(geo.checkpoint_bytes)
         try:
             view = buf.array[: geo.checkpoint_bytes]
+            index = view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
+            index.view("<i8")[:] = self._loc  # int64 on disk whatever the map's width
+            crc = zlib.crc32(index.data, zlib.crc32(header))
             view[: _CKPT.size] = np.frombuffer(header, np.uint8)
             view[_CKPT.size : CKPT_HEADER_BYTES] = np.frombuffer(_CRC.pack(crc), np.uint8)
-            view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n] = index
             view[CKPT_HEADER_BYTES + 8 * n :] = 0
             offset = geo.checkpoint_offset(gen % 2)
             calls += self._run(True, buf, *self._pieces(offset, geo.checkpoint_bytes))
@@ -910,18 +940,38 @@ class LogBlockSCMStore(RowStore):
         it moved anything."""
         moved = False
         spilled = np.flatnonzero(self._live[self.capacity :] > 0) + self.capacity
-        for segment in spilled.tolist():
-            if segment == self._head or self._live[segment] > self._available():
-                continue
-            self._evacuate(segment)
+        pending = spilled[spilled != self._head]
+        pending = pending[np.argsort(self._live[pending], kind="stable")]
+        while (batch := self._fitting(pending)).size:
+            self._evacuate(batch)
             moved = True
-        while self._free_after_checkpoint() < self._free_target():
-            victim = self._pick_victim(pinned_ok=True)
-            if victim is None or self._live[victim] > self._available():
+            pending = pending[batch.size :]
+        while (short := self._free_target() - self._free_after_checkpoint()) > 0:
+            victims = self._batch_of_victims(short)
+            if not victims.size:
                 break
-            self._evacuate(victim)
+            self._evacuate(victims)
             moved = True
         return moved
+
+    def _batch_of_victims(self, short: int) -> I64Array:
+        """The emptiest victims that gain ``short`` free segments net, as many as
+        :meth:`_fitting` lets one evacuation take."""
+        victims = self._fitting(self._victims(pinned_ok=True))
+        gained = np.arange(1, victims.size + 1) - np.cumsum(self._live[victims]) / (
+            self.geometry.segment_slots
+        )
+        enough = np.flatnonzero(gained >= short)
+        return victims[: int(enough[0]) + 1] if enough.size else victims
+
+    def _fitting(self, segments: I64Array) -> I64Array:
+        """The longest prefix of ``segments`` whose live rows fit the room there is and one
+        pass's buffer (``max_pass_bytes``; the first alone may exceed it), so that one scan
+        of the index finds the rows of them all."""
+        moved = np.cumsum(self._live[segments])
+        fits = moved <= self._available()
+        fits[1:] &= moved[1:] * self.geometry.row_bytes <= self.options.max_pass_bytes
+        return segments if fits.all() else segments[: int(np.argmin(fits))]
 
     def _shrink(self) -> int:
         """Truncates free segments past the bound off the end of the file."""
