@@ -31,7 +31,7 @@ from torchrec.distributed.batched_embedding_kernel import (
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.utils import data_type_to_sparse_type
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
@@ -130,6 +130,12 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
     def state(self, value: Any) -> None:
         self._tier_state = value
 
+    @property
+    def unsynced_state(self) -> Any:
+        """``state`` without bringing the views up to date: for re-wrapping its tensors, which
+        reads nothing (syncing would export every log-structured table)."""
+        return self._tier_state
+
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
         self._tiers.views.persist_writes()
@@ -141,7 +147,7 @@ class _TieredKernelMixin:
     optimizer view, remapping, flush/purge and statistics."""
 
     _emb_module: SplitTableBatchedEmbeddingBagsCodegen
-    _optim: EmbeddingFusedOptimizer
+    _optim: _TierBackedFusedOptimizer
     tiers: TieredTableGroup
     training: bool
 
@@ -186,7 +192,7 @@ class _TieredKernelMixin:
             all_optimizer_states=states,
             tiers=self.tiers,
         )
-        for param, param_state in self._optim.state.items():
+        for param, param_state in self._optim.unsynced_state.items():
             if isinstance(param, ShardedTensor):
                 swap_aliases(param, registry)
             for value in param_state.values():
@@ -227,7 +233,7 @@ class _TieredKernelMixin:
         return self._emb_module
 
     @property
-    def fused_optimizer(self) -> FusedOptimizer:
+    def fused_optimizer(self) -> _TierBackedFusedOptimizer:
         return self._optim
 
     def flush(self) -> None:

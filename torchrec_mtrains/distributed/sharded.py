@@ -458,7 +458,7 @@ class _TieredShardedMixin:
             for kernel in getattr(module, "_emb_modules", []):
                 if not isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                     continue
-                for states in kernel.fused_optimizer.state.values():
+                for states in kernel.fused_optimizer.unsynced_state.values():
                     for key, value in list(states.items()):
                         if isinstance(value, ShardedTensor):
                             states[key] = chunk_sharded_tensor(value, chunk, pg)

@@ -90,8 +90,9 @@ class BufferPool:
                 best = min(fits, key=lambda b: b.nbytes)
                 self._idle.remove(best)
                 return best
-        # Round up so slightly different batch sizes reuse the same buffer.
-        return AlignedBuffer(1 << max(nbytes - 1, 1).bit_length())
+        # Round up (by at most 1/8) so slightly different batch sizes reuse the same buffer.
+        step = max(mmap.PAGESIZE, 1 << max(nbytes.bit_length() - 4, 0))
+        return AlignedBuffer(-(-max(nbytes, 1) // step) * step)
 
     def give(self, buf: AlignedBuffer) -> None:
         with self._lock:

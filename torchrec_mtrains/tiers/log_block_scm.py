@@ -91,6 +91,7 @@ _MIN_SEGMENTS = 16  # a small table still spreads over this many segments, so it
 _MIN_GAIN = 8  # a compaction victim frees at least 1/8 of a segment
 _FLUSH_ROUNDS = 4  # compaction + checkpoint rounds one flush may run
 _SCAN_CHUNK = 1 << 22  # rows of the index scanned at once (bounds the scan's scratch memory)
+_GATHER_ROWS = 1 << 14  # rows gathered from a read buffer at once (an int64 index per element)
 _FREE, _USED = 0, 1
 
 U8Array = npt.NDArray[np.uint8]
@@ -347,9 +348,9 @@ class LogBlockSCMStore(RowStore):
             os.close(self._fd)
             raise self._os_error(e, f"setting up the {opts.engine.value} I/O engine") from e
         self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
-        # Idle buffers for a few passes' I/O; the larger ones (a checkpoint of the index is
-        # 8 bytes a row) are freed after use.
-        self._buffers = BufferPool(keep_bytes=4 * opts.max_pass_bytes)
+        # Idle buffers for a read's and an append's pass; larger ones (a checkpoint of the
+        # index is 8 bytes a row) are not pooled.
+        self._buffers = BufferPool(keep_bytes=2 * opts.max_pass_bytes)
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
@@ -413,8 +414,9 @@ class LogBlockSCMStore(RowStore):
                     s0, count = int(segs[0]), int(segs.size)
                     region = self._read_region(geo.data_offset + s0 * sb, count * sb)
                     owners, slots = self._rows_between(s0 * ss, (s0 + count) * ss)
-                    pos = (slots // ss - s0) * sb + (slots % ss) * rb
-                    raw = region[pos[:, None] + np.arange(rb, dtype=np.int64)]
+                    # (segment, slot, byte) view of the run: no per-byte index to build.
+                    packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
+                    raw = packed[slots // ss - s0, slots % ss]
                     out[owners] = raw.view(dtype).reshape(owners.size, -1)
                     if written is not None:
                         written()
@@ -559,13 +561,15 @@ class LogBlockSCMStore(RowStore):
         return starts, offset + starts, np.minimum(step, nbytes - starts)
 
     def _read_region(self, offset: int, nbytes: int) -> U8Array:
-        buf = self._buffers.take(nbytes)
+        pooled = nbytes <= self.options.max_pass_bytes
+        buf = self._buffers.take(nbytes) if pooled else AlignedBuffer(nbytes)
         try:
             calls = self._run(False, buf, *self._pieces(offset, nbytes))
             self._count(bytes_read=nbytes, io_calls=calls)
             return buf.array[:nbytes].copy()
         finally:
-            self._buffers.give(buf)
+            if pooled:
+                self._buffers.give(buf)
 
     def _sync(self) -> int:
         try:
@@ -611,10 +615,12 @@ class LogBlockSCMStore(RowStore):
                 run_start, run_len = merge_runs(blocks, self._max_io_blocks)
                 calls += self._run(False, buf, run_start * bs, blocks[run_start] * bs, run_len * bs)
                 elements = buf.array[:nbytes].view(self.layout.dtype.numpy_dtype)
-                index = (buf_pos // self.layout.dtype.itemsize)[:, None] + np.arange(
-                    self.layout.row_width, dtype=np.int64
-                )
-                out[part if order is None else order[part]] = elements[index]
+                dest = np.arange(part.start, part.stop) if order is None else order[part]
+                starts = buf_pos // self.layout.dtype.itemsize
+                width = np.arange(self.layout.row_width, dtype=np.int64)
+                for a in range(0, starts.size, _GATHER_ROWS):  # bounds the element index
+                    index = starts[a : a + _GATHER_ROWS, None] + width
+                    out[dest[a : a + _GATHER_ROWS]] = elements[index]
             finally:
                 self._buffers.give(buf)
             moved += nbytes
@@ -638,7 +644,11 @@ class LogBlockSCMStore(RowStore):
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
         data = rows.astype(self.layout.dtype.numpy_dtype, copy=False)
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(ids.size, -1)
-        per_pass = max(1, self._max_pass_blocks * self.block_size // self.geometry.row_bytes)
+        # Rows whose append (with a partial block at each end of each segment it spans) fits
+        # one pass's buffer.
+        geo, budget = self.geometry, self._max_pass_blocks * self.block_size
+        padding = 2 * self.block_size * (budget // geo.segment_bytes + 2)
+        per_pass = max(1, (budget - padding) // geo.row_bytes)
         moved = calls = 0
         for start in range(0, ids.size, per_pass):
             part = slice(start, start + per_pass)
@@ -898,19 +908,16 @@ class LogBlockSCMStore(RowStore):
             CKPT_MAGIC, gen, geo.block_size, geo.segment_blocks, self.segments,
             self._head, self._head_slot, n, geo.row_bytes,
         )  # fmt: skip
-        buf = self._buffers.take(geo.checkpoint_bytes)
-        try:
-            view = buf.array[: geo.checkpoint_bytes]
-            index = view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
-            index.view("<i8")[:] = self._loc  # int64 on disk whatever the map's width
-            crc = zlib.crc32(index.data, zlib.crc32(header))
-            view[: _CKPT.size] = np.frombuffer(header, np.uint8)
-            view[_CKPT.size : CKPT_HEADER_BYTES] = np.frombuffer(_CRC.pack(crc), np.uint8)
-            view[CKPT_HEADER_BYTES + 8 * n :] = 0
-            offset = geo.checkpoint_offset(gen % 2)
-            calls += self._run(True, buf, *self._pieces(offset, geo.checkpoint_bytes))
-        finally:
-            self._buffers.give(buf)
+        buf = AlignedBuffer(geo.checkpoint_bytes)  # freed on return, not pooled
+        view = buf.array[: geo.checkpoint_bytes]
+        index = view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
+        index.view("<i8")[:] = self._loc  # int64 on disk whatever the map's width
+        crc = zlib.crc32(index.data, zlib.crc32(header))
+        view[: _CKPT.size] = np.frombuffer(header, np.uint8)
+        view[_CKPT.size : CKPT_HEADER_BYTES] = np.frombuffer(_CRC.pack(crc), np.uint8)
+        view[CKPT_HEADER_BYTES + 8 * n :] = 0
+        offset = geo.checkpoint_offset(gen % 2)
+        calls += self._run(True, buf, *self._pieces(offset, geo.checkpoint_bytes))
         calls += self._sync()
         self._generation = gen
         self._count(bytes_written=geo.checkpoint_bytes)
