@@ -149,6 +149,23 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[key], b[key]), f"{key}: max diff {(a[key] - b[key]).abs().max()}"
 
 
+def test_a_log_tables_copy_is_exported_when_read_not_when_built(tmp_path: Path) -> None:
+    """Building the kernel re-wraps the optimizer's state tensors, which reads nothing: it must
+    not export the log (a whole-table read); a state dict does, once per change."""
+    model = build(tmp_path, "log_block_scm")
+    (group,) = list(model.module.tiered_groups())
+    (shard,) = group.shards
+    assert shard.store.file_layout == "log"
+    assert shard.store.stats.bytes_read == 0
+    train(model, 2, seed=1)
+    before = shard.store.stats.bytes_read
+    first = full_weights(model)
+    exported = shard.store.stats.bytes_read
+    assert exported > before
+    assert_same(full_weights(model), first)  # unchanged since: no second export
+    assert shard.store.stats.bytes_read == exported
+
+
 @pytest.mark.parametrize("tier", TIER_NAMES)
 def test_state_dict_round_trip(tmp_path: Path, tier: str) -> None:
     src = build(tmp_path / "a", tier)

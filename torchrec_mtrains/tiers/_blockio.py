@@ -94,6 +94,12 @@ class BufferPool:
         step = max(mmap.PAGESIZE, 1 << max(nbytes.bit_length() - 4, 0))
         return AlignedBuffer(-(-max(nbytes, 1) // step) * step)
 
+    def clear(self) -> None:
+        """Drops every idle buffer (after bulk work whose large buffers steady use does not
+        need: they would stay resident, the pages they touched included)."""
+        with self._lock:
+            self._idle.clear()
+
     def give(self, buf: AlignedBuffer) -> None:
         with self._lock:
             self._idle.append(buf)

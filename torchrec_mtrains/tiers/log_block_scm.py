@@ -881,6 +881,9 @@ class LogBlockSCMStore(RowStore):
             short = self._free_after_checkpoint() < self._free_target()
             if not (progress and (short or self._live[self.capacity :].any())):
                 break
+        # A flush ends bulk work (a table's initial fill, compaction, a load): its pass-sized
+        # buffers would otherwise stay resident through training, which needs far smaller ones.
+        self._buffers.clear()
         return calls + self._shrink()
 
     def _seal_head(self) -> None:
