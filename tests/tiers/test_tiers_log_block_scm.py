@@ -622,26 +622,48 @@ def test_file_bytes_is_the_size_of_a_new_file(tmp_path: Path, name: str) -> None
     assert LogBlockSCMStore.file_bytes(SMALL) > 2 * SMALL.total_bytes  # the default bound: 2x
 
 
-def test_export_scans_the_log_into_the_flat_row_array(tmp_path: Path) -> None:
+class _RecordingTarget:
+    """An export target that records the id ranges written into it, in order."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        self.array = np.zeros(shape, np.float32)
+        self.shape, self.dtype = shape, self.array.dtype
+        self.writes: list[tuple[int, int] | None] = []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.writes.append((key.start, key.stop) if isinstance(key, slice) else None)
+        self.array[key] = value
+
+
+@pytest.mark.parametrize("max_pass_bytes", [64 << 20, 4096], ids=["one-pass", "by-id-range"])
+def test_export_scans_the_log_into_the_flat_row_array(tmp_path: Path, max_pass_bytes: int) -> None:
     """After rewrites, compaction and a reopen, an export holds every row as read by id
-    (zeros for rows never written), one sequential read per run of segments."""
+    (zeros for rows never written), one sequential read per run of segments. A table larger
+    than one pass is written to the target range by range, in id order, through spill files
+    that are gone afterwards."""
     rng = np.random.default_rng(3)
-    store = _store(tmp_path, SMALL, **SMALL_OPTIONS, max_space_amplification=1.5)
+    options = {**SMALL_OPTIONS, "max_space_amplification": 1.5, "max_pass_bytes": max_pass_bytes}
+    store = _store(tmp_path, SMALL, **options)
     for step in range(30):
         ids = np.unique(rng.integers(0, 2500, 300))
         store.write_rows(ids, rng.standard_normal((ids.size, SMALL.row_width)))
         if step % 9 == 8:
             store.flush()
     store.close()
-    store = _store(tmp_path, SMALL, **SMALL_OPTIONS, max_space_amplification=1.5)
+    store = _store(tmp_path, SMALL, **options)
     assert store.live_rows < SMALL.num_rows
-    out = np.zeros((SMALL.num_rows, SMALL.row_width), np.float32)
+    out = _RecordingTarget((SMALL.num_rows, SMALL.row_width))
     calls: list[int] = []
     before = store.stats.bytes_read
-    store.export_rows(out, written=lambda: calls.append(1))
-    assert np.array_equal(out, store.read_range(0, SMALL.num_rows))
-    assert not out[2500:].any()  # never written
+    store.export_rows(out, written=lambda: calls.append(1))  # type: ignore[arg-type]
+    assert np.array_equal(out.array, store.read_range(0, SMALL.num_rows))
+    assert not out.array[2500:].any()  # never written
     assert calls and store.stats.bytes_read > before
+    if max_pass_bytes < SMALL.total_bytes:
+        assert all(w is not None for w in out.writes) and len(out.writes) > 10
+        starts = [w[0] for w in out.writes if w is not None]
+        assert starts == sorted(starts) and len(calls) == len(out.writes)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [store.path.name]
     with pytest.raises(ValueError, match="export target of shape"):
-        store.export_rows(out[:10])
+        store.export_rows(out.array[:10])
     store.close()

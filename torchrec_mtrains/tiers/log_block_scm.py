@@ -42,11 +42,13 @@ import contextlib
 import math
 import os
 import struct
+import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -394,32 +396,82 @@ class LogBlockSCMStore(RowStore):
         written: Callable[[], None] | None = None,
     ) -> None:
         """Copies every row into ``out`` (``(num_rows, row_width)`` in storage dtype, e.g. a
-        file mapping) by one sequential scan of the segments holding rows, in runs of at most
-        ``max_pass_bytes`` (``written`` is called after each): reading them by id would be one
-        random read per row. Rows never written are left as they are in ``out``, which must
-        hold zeros there (a new file does): writing zeros would dirty every page of a mapping.
-        Writes wait meanwhile; reads go on. (``chunk_rows`` is unused.)"""
+        file mapping) by sequential I/O only: reading rows by id would be one random read
+        per row, and writing them into ``out`` in the log's order would touch its pages at
+        random (under a memory cap, a mapping much larger than memory then rereads a page for
+        every row). So a table larger than one pass (``max_pass_bytes``) is exported in two:
+        one scan of the segments holding rows spills each row to the file of its id range,
+        next to the tier file, then each range is read back and written to ``out`` in id
+        order, and ``written`` is called after it. Rows never written are zeros in ``out``
+        where their range holds rows, and left as they are elsewhere (a new file holds
+        zeros). Writes wait meanwhile; reads go on. (``chunk_rows`` is unused.)"""
         self._check_export_target(out)
-        geo = self.geometry
-        ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
+        rb, n = self.geometry.row_bytes, self.layout.num_rows
         dtype = self.layout.dtype.numpy_dtype
+        range_rows = max(1, self.options.max_pass_bytes // (rb + 8))
         with self._write_lock, self._gate.reading():
-            holding = np.flatnonzero(self._live > 0)
-            run = max(1, self.options.max_pass_bytes // sb)
-            # Consecutive segments holding rows, at most ``run`` of them per read.
-            breaks = np.flatnonzero(np.diff(holding) != 1) + 1
-            for group in np.split(holding, breaks):
-                for first in range(0, group.size, run):
-                    segs = group[first : first + run]
-                    s0, count = int(segs[0]), int(segs.size)
-                    region = self._read_region(geo.data_offset + s0 * sb, count * sb)
-                    owners, slots = self._rows_between(s0 * ss, (s0 + count) * ss)
-                    # (segment, slot, byte) view of the run: no per-byte index to build.
-                    packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
-                    raw = packed[slots // ss - s0, slots % ss]
+            if range_rows >= n:
+                for owners, raw in self._scan_rows():
                     out[owners] = raw.view(dtype).reshape(owners.size, -1)
+                if written is not None:
+                    written()
+                return
+            with tempfile.TemporaryDirectory(
+                prefix=f".{self.path.name}.export.", dir=self.directory
+            ) as spill:
+                ranges = self._spill_by_id_range(Path(spill), range_rows)
+                for k, (ids_file, rows_file) in sorted(ranges.items()):
+                    first = k * range_rows
+                    ids = np.fromfile(ids_file, dtype="<i8")
+                    rows = np.fromfile(rows_file, dtype=np.uint8).reshape(ids.size, rb)
+                    ids_file.unlink()
+                    rows_file.unlink()
+                    slab = np.zeros((min(range_rows, n - first), rb), dtype=np.uint8)
+                    slab[ids - first] = rows
+                    out[first : first + slab.shape[0]] = slab.view(dtype).reshape(slab.shape[0], -1)
                     if written is not None:
                         written()
+
+    def _scan_rows(self) -> Iterator[tuple[I64Array, U8Array]]:
+        """The live rows of the log, in runs of at most ``max_pass_bytes`` of consecutive
+        segments read sequentially: ids and raw rows (``(count, row_bytes)`` bytes)."""
+        geo = self.geometry
+        ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
+        holding = np.flatnonzero(self._live > 0)
+        run = max(1, self.options.max_pass_bytes // sb)
+        breaks = np.flatnonzero(np.diff(holding) != 1) + 1
+        for group in np.split(holding, breaks):
+            for first in range(0, group.size, run):
+                segs = group[first : first + run]
+                s0, count = int(segs[0]), int(segs.size)
+                region = self._read_region(geo.data_offset + s0 * sb, count * sb)
+                owners, slots = self._rows_between(s0 * ss, (s0 + count) * ss)
+                # (segment, slot, byte) view of the run: no per-byte index to build.
+                packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
+                yield owners, packed[slots // ss - s0, slots % ss]
+
+    def _spill_by_id_range(self, directory: Path, range_rows: int) -> dict[int, tuple[Path, Path]]:
+        """Appends every live row to the files of its id range (``range_rows`` ids each) in
+        ``directory``: its id and its bytes. Returns the files by range."""
+        files: dict[int, tuple[Path, Path]] = {}
+        for owners, raw in self._scan_rows():
+            order = np.argsort(owners // range_rows, kind="stable")
+            owners, raw = owners[order], raw[order]
+            keys = owners // range_rows
+            cuts = np.flatnonzero(np.diff(keys)) + 1
+            for part in np.split(np.arange(owners.size), cuts):
+                if not part.size:
+                    continue
+                k = int(keys[part[0]])
+                pair = files.setdefault(k, (directory / f"{k}.ids", directory / f"{k}.rows"))
+                try:
+                    with open(pair[0], "ab") as f:
+                        owners[part].astype("<i8").tofile(f)
+                    with open(pair[1], "ab") as f:
+                        raw[part].tofile(f)
+                except OSError as e:
+                    raise self._os_error(e, f"spilling rows to {directory} for an export") from e
+        return files
 
     # ----------------------------------------------------------------------- state & recovery
 
