@@ -268,3 +268,41 @@ def test_the_log_layout_writes_back_for_less_than_in_place_and_opens_log_stores(
     assert isinstance(store_options(loaded)["block_scm"], LogBlockScmOptions)
     with pytest.raises(ValueError, match="layout must be one of flat, log, got 'lsm'"):
         load_topology("local", ["hardware.block_scm.layout=lsm"])
+
+
+@pytest.mark.parametrize("layout", ["flat", "log"])
+def test_the_io_workers_cpu_per_row_bounds_a_block_tier_the_device_keeps_up_with(
+    layout: str,
+) -> None:
+    """Rows cost the I/O worker CPU whatever the device's speed: with a device far faster than
+    that CPU, the CPU sets the tier's time; with none given, nothing changes."""
+    base = small_host()
+    assert base.block_scm is not None
+    fast = dataclasses.replace(
+        base.block_scm,
+        layout=layout,
+        read_iops=1e12,
+        write_iops=1e12,
+        read_bandwidth_gbs=1e6,
+        write_bandwidth_gbs=1e6,
+        read_latency_ns=0.0,
+        write_latency_ns=0.0,
+        call_overhead_us=0.0,
+    )
+    work = _work()
+    free = shard_step_time(
+        Placement.CACHED_BLOCK_SCM, work, dataclasses.replace(base, block_scm=fast), cache_rows=1
+    )
+    busy = shard_step_time(
+        Placement.CACHED_BLOCK_SCM,
+        work,
+        dataclasses.replace(base, block_scm=dataclasses.replace(fast, cpu_ns_per_row=5000.0)),
+        cache_rows=1,
+    )
+    misses = work.unique_rows * (1.0 - 0.0)  # no hits with one cache row
+    assert free.tier_read < 1e-6 and busy.tier_read == pytest.approx(misses * 5e-6, rel=1e-3)
+    copies = 2.0 / (fast.max_space_amplification - 1.0) if layout == "log" else 0.0
+    assert busy.tier_write == pytest.approx(misses * (1 + copies) * 5e-6, rel=1e-3)
+    assert load_topology("local").block_scm.cpu_ns_per_row > 0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="cpu_ns_per_row must be finite and >= 0"):
+        dataclasses.replace(fast, cpu_ns_per_row=-1.0)

@@ -335,7 +335,9 @@ def block_tier_time(
     In the ``log`` layout a write-back is a sequential append of the rows' bytes, and
     compaction reads and rewrites live rows: with the file at most ``S`` times the rows'
     bytes, cleaning a segment copies at most ``1/(S-1)`` bytes per byte freed. Reads then
-    spread over ``S`` times as many blocks."""
+    spread over ``S`` times as many blocks. Every row read, written or copied also costs the
+    I/O worker ``cpu_ns_per_row`` of CPU, which overlaps the device's work: each direction
+    takes the longer of the two."""
     bs = tier.block_size
     log = tier.layout == "log"
     amp = tier.max_space_amplification if log else 1.0
@@ -348,20 +350,23 @@ def block_tier_time(
         read_bw = min(read_bw, link_gbs * _GB)
         write_bw = min(write_bw, link_gbs * _GB)
     read_t = write_t = 0.0
+    cpu = tier.cpu_ns_per_row * _NS
     if reads > 0:
         ios = distinct_units(reads, units_per_row(row_bytes, bs), total_blocks)
         read_t = (
             tier.call_overhead_us * _US
             + tier.read_latency_ns * _NS
-            + max(ios / read_iops, ios * bs / read_bw)
+            + max(ios / read_iops, ios * bs / read_bw, reads * cpu)
         )
     if writes > 0 and log:
         copied = writes * row_bytes / (amp - 1.0)  # compaction's reads and rewrites
         write_t = (
             tier.call_overhead_us * _US
             + tier.write_latency_ns * _NS
-            + (writes * row_bytes + copied) / write_bw
-            + copied / read_bw
+            + max(
+                (writes * row_bytes + copied) / write_bw + copied / read_bw,
+                (writes + 2.0 * copied / row_bytes) * cpu,
+            )
         )
     elif writes > 0:
         ios = distinct_units(writes, units_per_row(row_bytes, bs), total_blocks)
@@ -369,7 +374,7 @@ def block_tier_time(
         write_t = (
             tier.call_overhead_us * _US
             + tier.write_latency_ns * _NS
-            + max(ios / write_iops, ios * bs / write_bw)
+            + max(ios / write_iops, ios * bs / write_bw, writes * cpu)
         )
         if rmw > 0:
             write_t += tier.read_latency_ns * _NS + max(rmw / read_iops, rmw * bs / read_bw)

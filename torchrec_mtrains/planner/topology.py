@@ -180,6 +180,9 @@ class BlockTierConfig(MemoryTierConfig):
             ``log_block_scm`` store).
         max_space_amplification: ``log`` only: the files take at most this many times the
             rows' bytes (>= 1.1); compaction copies more the lower it is.
+        cpu_ns_per_row: CPU the tier's I/O worker spends per row it reads or writes (issuing
+            the I/O, gathering and scattering rows, the log's index), overlapping the device's
+            work; it is what makes many misses costly even where the device keeps up. 0 for datasheet-only presets.
         (other fields as for :class:`MemoryTierConfig`; latencies are per I/O at queue depth 1.)
     """
 
@@ -189,10 +192,12 @@ class BlockTierConfig(MemoryTierConfig):
     queue_depth: int = 32
     layout: str = "flat"
     max_space_amplification: float = 2.0
+    cpu_ns_per_row: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive(self, ("read_iops", "write_iops"))
+        _positive(self, ("cpu_ns_per_row",), allow_zero=True)
         if self.block_size < 512 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 512, got {self.block_size}")
         if self.queue_depth < 1:
