@@ -182,7 +182,8 @@ class BlockTierConfig(MemoryTierConfig):
             rows' bytes (>= 1.1); compaction copies more the lower it is.
         cpu_ns_per_row: CPU the tier's I/O worker spends per row it reads or writes (issuing
             the I/O, gathering and scattering rows, the log's index), overlapping the device's
-            work; it is what makes many misses costly even where the device keeps up. 0 for datasheet-only presets.
+            work; it is what makes many misses costly even where the device keeps up. 0 for
+            datasheet-only presets.
         (other fields as for :class:`MemoryTierConfig`; latencies are per I/O at queue depth 1.)
     """
 
