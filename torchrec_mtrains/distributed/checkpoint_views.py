@@ -3,8 +3,9 @@
 TorchRec reads and writes a table's state through tensors (``state_dict``, the fused
 optimizer's state, dcp): for a tiered table these view the tier's rows in place (its memory, or
 a mapping of its file), never a copy, so a checkpoint streams a table larger than memory chunk
-by chunk. The views show the tier, not the cache: flush the group before reading them (the flush also
-refreshes the copies that stand for log-structured tiers, see :class:`TierViews`).
+by chunk. The views show the tier, not the cache: sync the group before reading them
+(``TieredTableGroup.sync_views``: it flushes the cache, then refreshes the copies that stand for
+log-structured tiers, see :class:`TierViews`).
 """
 
 from __future__ import annotations

@@ -227,10 +227,16 @@ class TierStorage:
         return tier_class(self.options_for(tier).tier)
 
 
+def shard_file_stem(table: str, row_offset: int, col_offset: int) -> str:
+    """The name a table shard (first global row and column) gives its store: the store
+    makes its file ``<stem>.<store name>.rows`` (:func:`tier_file_name`)."""
+    return f"{table}.r{row_offset}.c{col_offset}"
+
+
 def tier_file_name(table: str, row_offset: int, col_offset: int, store: str) -> str:
     """The file holding the rows of one table shard (first global row and column) in
     ``store`` (a registered store name, e.g. ``log_block_scm``)."""
-    return f"{table}.r{row_offset}.c{col_offset}.{store}{FILE_SUFFIX}"
+    return f"{shard_file_stem(table, row_offset, col_offset)}.{store}{FILE_SUFFIX}"
 
 
 def tier_options_by_table(plan: Mapping[str, ParameterSharding]) -> dict[str, TieredTableOptions]:

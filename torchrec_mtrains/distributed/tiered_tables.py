@@ -26,6 +26,7 @@ from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.options import (
     TieredTableOptions,
     TierStorage,
+    shard_file_stem,
     tier_file_name,
 )
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
@@ -158,7 +159,7 @@ class TieredTableGroup:
                 dtype=dtype,
             )
             row_off, col_off = _offsets(table)
-            file_name = f"{table.name}.r{row_off}.c{col_off}"
+            file_name = shard_file_stem(table.name, row_off, col_off)
             # The tier's options name the store (file layout) that keeps its rows.
             store_options = storage.options_for(placed.tier)
             existed = (

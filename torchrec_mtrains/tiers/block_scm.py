@@ -168,15 +168,14 @@ class BlockSCMStore(RowStore):
     # ------------------------------------------------------------------------------ opening
 
     def _file_bytes(self, data_offset: int) -> int:
-        bs = self.block_size
-        return data_offset + -(-self.layout.total_bytes // bs) * bs
+        return data_offset + _rows_region_bytes(self.layout, self.block_size)
 
     @classmethod
     def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
         opts = resolve_options(cls.name, options)
         assert isinstance(opts, BlockScmOptions)
         bs = opts.block_size
-        return max(DATA_OFFSET, bs) + -(-layout.total_bytes // bs) * bs
+        return max(DATA_OFFSET, bs) + _rows_region_bytes(layout, bs)
 
     def _open(self, direct: bool) -> tuple[int, bool]:
         try:
@@ -333,3 +332,8 @@ class BlockSCMStore(RowStore):
     def _close(self) -> None:
         self._engine.close()
         os.close(self._fd)
+
+
+def _rows_region_bytes(layout: RowLayout, block_size: int) -> int:
+    """The rows' bytes rounded up to whole blocks: the file past its data offset."""
+    return -(-layout.total_bytes // block_size) * block_size
