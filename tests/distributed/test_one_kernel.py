@@ -1,6 +1,7 @@
 """Every tiered table of a lookup runs in one tiered kernel, whatever its tier, cache size and
-policy: one fbgemm module and one remap per batch, nothing for TorchRec to concatenate; the
-tables beside them on TorchRec's kernels keep theirs."""
+policy, and so do the FUSED tables beside them when TorchRec could batch them together (same
+data type, pooling, optimizer): one fbgemm module and one remap per batch, nothing for TorchRec
+to concatenate. Other FUSED tables keep TorchRec's kernel."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from tests.distributed.test_checkpoint import assert_same, full_weights, train
@@ -38,13 +39,19 @@ def _process_group(one_rank_process_group: None) -> None:
     """One rank."""
 
 
-def _model(root: Path) -> DistributedModelParallel:
+def _model(root: Path, own_pooling: PoolingType = PoolingType.SUM) -> DistributedModelParallel:
     # Features f0 and f1 as test_checkpoint.train feeds them: f0 ids < 300, f1 ids < 40.
     tables = [
         EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=300, feature_names=["f0"]),
         EmbeddingBagConfig(name="mid", embedding_dim=16, num_embeddings=300, feature_names=["f0"]),
         EmbeddingBagConfig(name="low", embedding_dim=8, num_embeddings=40, feature_names=["f1"]),
-        EmbeddingBagConfig(name="own", embedding_dim=4, num_embeddings=40, feature_names=["f1"]),
+        EmbeddingBagConfig(
+            name="own",
+            embedding_dim=4,
+            num_embeddings=40,
+            feature_names=["f1"],
+            pooling=own_pooling,
+        ),
     ]
     storage = TierStorage(root=str(root), checkpoint_chunk_rows=64)
     fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
@@ -68,6 +75,15 @@ def _model(root: Path) -> DistributedModelParallel:
     )
 
 
+def _kernels(model: DistributedModelParallel) -> list[torch.nn.Module]:
+    return [
+        kernel
+        for module in model.modules()
+        for lookup in getattr(module, "_lookups", [])
+        for kernel in getattr(getattr(lookup, "module", lookup), "_emb_modules", [])
+    ]
+
+
 def test_tables_of_every_tier_share_one_kernel(tmp_path: Path) -> None:
     model = _model(tmp_path)
     groups = tiered_groups(model)
@@ -79,20 +95,32 @@ def test_tables_of_every_tier_share_one_kernel(tmp_path: Path) -> None:
         assert shard.store.name == options.tier.value
         assert shard.cache.num_slots == options.cache_rows(shard.local_rows)
         assert shard.cache.policy.name == options.cache_policy
-    kernels = [
-        kernel
-        for module in model.modules()
-        for lookup in getattr(module, "_lookups", [])
-        for kernel in getattr(getattr(lookup, "module", lookup), "_emb_modules", [])
-    ]
+    (kernel,) = _kernels(model)  # "own" (FUSED) is computed by the tiered kernel too
+    assert isinstance(kernel, TieredEmbeddingBag)
+    assert kernel.emb_module.table_names == ["big", "mid", "low", "own"]
+    # "own" keeps all its rows in the module, as FUSED would, with no tier or cache.
+    own = kernel.split_embedding_weights()[3]
+    assert (
+        own.shape == (40, 4)
+        and own.data_ptr() == kernel.emb_module.split_embedding_weights()[3].data_ptr()
+    )
+    ebc = model.module
+    assert set(ebc.state_dict()) >= {f"embedding_bags.{n}.weight" for n in [*PLACEMENT, "own"]}
+    assert "embedding_bags.own.weight" in dict(model.named_parameters())
+
+
+def test_fused_tables_pooled_otherwise_keep_torchrec_kernel(tmp_path: Path) -> None:
+    model = _model(tmp_path, own_pooling=PoolingType.MEAN)
+    kernels = _kernels(model)
     assert sum(isinstance(k, TieredEmbeddingBag) for k in kernels) == 1
     assert len(kernels) == 2  # the tiered one and TorchRec's fused one for "own"
 
 
-def test_one_kernel_trains_and_reloads_exactly(tmp_path: Path) -> None:
-    src = _model(tmp_path / "a")
+@pytest.mark.parametrize("own_pooling", [PoolingType.SUM, PoolingType.MEAN], ids=["one", "two"])
+def test_one_kernel_trains_and_reloads_exactly(tmp_path: Path, own_pooling: PoolingType) -> None:
+    src = _model(tmp_path / "a", own_pooling)
     train(src, 6, seed=1)
-    dst = _model(tmp_path / "b")
+    dst = _model(tmp_path / "b", own_pooling)
     dst.load_state_dict(src.state_dict())
     dst.fused_optimizer.load_state_dict(src.fused_optimizer.state_dict())
     assert_same(full_weights(src), full_weights(dst))

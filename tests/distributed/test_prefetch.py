@@ -57,9 +57,10 @@ def tiered_group(model: DistributedModelParallel) -> TieredTableGroup:
     return groups[0]
 
 
-def big_features(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """The features the tiered kernel sees at world size 1, table-wise: those of table big."""
-    return KeyedJaggedTensor.from_jt_dict({"f0": kjt["f0"]})
+def kernel_features(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The features the tiered kernel sees at world size 1, table-wise: those of table big
+    (tiered) and of table small (FUSED, computed by the same kernel), in that order."""
+    return KeyedJaggedTensor.from_jt_dict({"f0": kjt["f0"], "f1": kjt["f1"]})
 
 
 def train_with_lookahead(
@@ -68,12 +69,12 @@ def train_with_lookahead(
     group = tiered_group(model)
     group.background_io = True
     for i in range(min(depth, len(data))):
-        group.prefetch(big_features(data[i]).values(), big_features(data[i]).length_per_key())
+        group.prefetch(kernel_features(data[i]).values(), kernel_features(data[i]).length_per_key())
     for i, kjt in enumerate(data):
         step(model, kjt)
         ahead = i + depth
         if ahead < len(data):
-            f = big_features(data[ahead])
+            f = kernel_features(data[ahead])
             group.prefetch(f.values(), f.length_per_key())
 
 
@@ -110,7 +111,7 @@ def test_worker_error_surfaces_in_forward(tmp_path: Path, monkeypatch: Any) -> N
 
     monkeypatch.setattr(store, "read_rows", broken)
     data = batches(seed=1, count=2)
-    f = big_features(data[0])
+    f = kernel_features(data[0])
     group.prefetch(f.values(), f.length_per_key())  # returns at once; the read fails later
     with pytest.raises(OSError, match="injected") as info:
         step(model, data[0])
@@ -124,7 +125,7 @@ def test_lookahead_needs_room_for_batches_in_flight(tmp_path: Path) -> None:
     data = batches(seed=2, count=40)
     with pytest.raises(CacheTooSmallError, match="held by batches in flight"):
         for kjt in data:  # prefetching everything at once cannot fit a 150-row cache
-            f = big_features(kjt)
+            f = kernel_features(kjt)
             group.prefetch(f.values(), f.length_per_key())
     assert int(cache.holds.sum()) > 0
     group.cancel_prefetches()
@@ -140,7 +141,7 @@ def test_background_planning_refuses_in_the_forward_and_training_goes_on(tmp_pat
     cache = group.shards[0].cache
     data = batches(seed=2, count=40)
     for kjt in data:  # planned on the worker: prefetching returns at once, even when unfit
-        f = big_features(kjt)
+        f = kernel_features(kjt)
         group.prefetch(f.values(), f.length_per_key())
     # The worker plans every batch before the first forward, so the holds pile up and the
     # cache refuses one on a loaded machine too (training used to catch up with the worker).

@@ -1,16 +1,23 @@
 """The tiered embedding kernels: fbgemm's fused table-batched module running over a row cache.
 
-Each kernel builds one ``SplitTableBatchedEmbeddingBagsCodegen`` whose tables have only as many
-rows as their caches (in host memory on CPU, in HBM on CUDA). Before every forward the batch's
-row ids are turned into cache slots by :class:`TieredTableGroup`, which reads missing rows from
-their tier and writes evicted dirty rows back. Forward, backward and the fused optimizer then
-run unchanged on the slots, so updates match TorchRec's FUSED kernel row for row.
+Each kernel builds one ``SplitTableBatchedEmbeddingBagsCodegen`` whose tiered tables have only as
+many rows as their caches (in host memory on CPU, in HBM on CUDA). Before every forward the
+batch's row ids are turned into cache slots by :class:`TieredTableGroup`, which reads missing
+rows from their tier and writes evicted dirty rows back. Forward, backward and the fused
+optimizer then run unchanged on the slots, so updates match TorchRec's FUSED kernel row for row.
+
+The same module also computes the lookup's *resident* tables: those the plan puts on TorchRec's
+FUSED kernel (see :func:`~torchrec_mtrains.distributed.sharded.one_group_per_lookup`). They keep
+all their rows in the module, as FUSED keeps them, and their ids go to fbgemm unchanged. So a
+lookup runs one fbgemm module and TorchRec concatenates no outputs: on W1 that concatenation
+(and the copy of its gradient) cost the training thread about 12 ms of a 110 ms step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -27,11 +34,17 @@ from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
     EmbeddingFusedOptimizer,
+    _gen_named_parameters_by_table_fused,
 )
-from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.embedding_kernel import get_state_dict
+from torchrec.distributed.embedding_types import (
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+    ShardedEmbeddingTable,
+)
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.utils import data_type_to_sparse_type
-from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
@@ -46,7 +59,13 @@ from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 logger: logging.Logger = logging.getLogger(__name__)
 
 # fused-param keys TorchRec or fbgemm use for other kernels that the cache module must not see.
-_DROPPED_FUSED_PARAMS = ("cache_load_factor", "prefetch_pipeline", "enable_raw_embedding_streaming")
+DROPPED_FUSED_PARAMS = ("cache_load_factor", "prefetch_pipeline", "enable_raw_embedding_streaming")
+
+
+def is_resident(table: ShardedEmbeddingTable) -> bool:
+    """Whether ``table`` is planned on TorchRec's FUSED kernel: a tiered kernel computing it keeps
+    all its rows in the fbgemm module, with no tier and no cache."""
+    return table.compute_kernel == EmbeddingComputeKernel.FUSED
 
 
 def _build_cache_module(
@@ -56,21 +75,29 @@ def _build_cache_module(
     pooling: PoolingMode,
     device: torch.device | None,
     table_options: Mapping[str, TieredTableOptions],
-) -> tuple[SplitTableBatchedEmbeddingBagsCodegen, list[TieredTableOptions]]:
-    missing = [t.name for t in config.embedding_tables if t.name not in table_options]
+) -> tuple[SplitTableBatchedEmbeddingBagsCodegen, list[TieredTableOptions | None]]:
+    """The fbgemm module and, per table, its tier options (``None`` for a resident table)."""
+    missing = [
+        t.name
+        for t in config.embedding_tables
+        if not is_resident(t) and t.name not in table_options
+    ]
     if missing:
         raise ValueError(
             f"tables {', '.join(missing)} use the tiered kernel but their sharding carries no "
             "tier; plan them with TieredParameterSharding (or the tiered planner)"
         )
-    options = [table_options[t.name] for t in config.embedding_tables]
+    options = [None if is_resident(t) else table_options[t.name] for t in config.embedding_tables]
     fused_params = dict(config.fused_params or {})
-    for key in _DROPPED_FUSED_PARAMS:
+    for key in DROPPED_FUSED_PARAMS:
         fused_params.pop(key, None)
     on_cuda = device is not None and device.type == "cuda"
     location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
     compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-    cache_rows = [o.cache_rows(t.local_rows) for o, t in zip(options, config.embedding_tables)]
+    cache_rows = [
+        t.local_rows if o is None else o.cache_rows(t.local_rows)
+        for o, t in zip(options, config.embedding_tables)
+    ]
     precision = data_type_to_sparse_type(config.data_type)
     fused_params.setdefault("cache_precision", precision)
     module = SplitTableBatchedEmbeddingBagsCodegen(
@@ -92,10 +119,13 @@ def _rank(pg: dist.ProcessGroup | None) -> int:
 
 
 def _placed_on_host(config: GroupedEmbeddingConfig) -> GroupedEmbeddingConfig:
-    """``config`` with its tables' shard placements moved to the host: the optimizer's
-    ShardedTensors wrap tier views, which live there whatever device holds the cache."""
+    """``config`` with its tiered tables' shard placements moved to the host: the optimizer's
+    ShardedTensors wrap tier views, which live there whatever device holds the cache. Resident
+    tables stay where the module keeps them."""
     tables = [
-        dataclasses.replace(
+        table
+        if is_resident(table)
+        else dataclasses.replace(
             table,
             local_metadata=None if table.local_metadata is None else on_host(table.local_metadata),
             global_metadata=None
@@ -155,32 +185,42 @@ class _TieredKernelMixin:
         self,
         config: GroupedEmbeddingConfig,
         pg: dist.ProcessGroup | None,
-        options: list[TieredTableOptions],
+        options: list[TieredTableOptions | None],
         storage: TierStorage,
     ) -> None:
         self.storage = storage
+        # Config index of each tiered table, in the group's order; resident ones are not in it.
+        self._tiered_index = {t: i for i, t in enumerate(k for k, o in enumerate(options) if o)}
+        tiered = list(self._tiered_index)
+        module_weights = self._emb_module.split_embedding_weights()
+        module_states = self._emb_module.get_optimizer_state() or [{} for _ in options]
         self.tiers = TieredTableGroup(
-            tables=list(config.embedding_tables),
-            feature_table_map=list(self._feature_table_map),  # type: ignore[attr-defined]
+            tables=[config.embedding_tables[t] for t in tiered],
+            # Features of resident tables (-1) keep their ids.
+            feature_table_map=[
+                self._tiered_index.get(t, -1)
+                for t in self._feature_table_map  # type: ignore[attr-defined]
+            ],
             # ``.data``: loading rows into slots (possibly from the prefetch thread while another
             # batch sits between its forward and backward) must not bump the autograd version
             # of the weights that batch saved; it never touches that batch's slots.
-            weight_slots=[w.data for w in self._emb_module.split_embedding_weights()],
-            states=[
-                {k: v.data for k, v in s.items()} for s in self._emb_module.get_optimizer_state()
-            ]
-            or [{} for _ in config.embedding_tables],
-            options=options,
+            weight_slots=[module_weights[t].data for t in tiered],
+            states=[{k: v.data for k, v in module_states[t].items()} for t in tiered],
+            options=[o for o in options if o is not None],
             storage=storage,
             rank=_rank(pg),
         )
-        # The fused optimizer exposes the tables' state as it lives on the tiers (fbgemm's own
-        # state tensors only hold the cached rows). Learning rate and step go to the module.
-        n = len(self.tiers.shards)
-        weights, registry = alias_registry([self.tiers.views.weight_view(i) for i in range(n)])
+        # The fused optimizer exposes the tiered tables' state as it lives on the tiers
+        # (fbgemm's own state tensors only hold the cached rows), resident tables' as fbgemm
+        # keeps it. Learning rate and step go to the module.
+        weights, registry = alias_registry(self._table_weights())
         states: list[dict[str, torch.Tensor]] = []
-        for i in range(n):
-            views = self.tiers.views.state_views(i)
+        for t, module_state in enumerate(module_states):
+            views = (
+                self.tiers.views.state_views(self._tiered_index[t])
+                if t in self._tiered_index
+                else module_state
+            )
             aliases, more = alias_registry(list(views.values()))
             registry.update(more)
             states.append(dict(zip(views.keys(), aliases)))
@@ -198,6 +238,17 @@ class _TieredKernelMixin:
             for value in param_state.values():
                 if isinstance(value, ShardedTensor):
                     swap_aliases(value, registry)
+
+    def _table_weights(self) -> list[torch.Tensor]:
+        """Every table's weights, in config order: a tier view for a tiered table, fbgemm's
+        own rows for a resident one."""
+        module_weights = self._emb_module.split_embedding_weights()
+        return [
+            self.tiers.views.weight_view(self._tiered_index[t])
+            if t in self._tiered_index
+            else cast(torch.Tensor, w)
+            for t, w in enumerate(module_weights)
+        ]
 
     def _remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         train = self.training and torch.is_grad_enabled()
@@ -244,8 +295,18 @@ class _TieredKernelMixin:
         self.tiers.purge()
 
     def init_parameters(self) -> None:
-        """Initial values are written by the sharded module's ``reset_parameters`` (chunked,
-        straight to the tier); the cache starts empty."""
+        """Resident tables start as TorchRec's FUSED kernel starts them (uniform within their
+        config's bounds). A tiered table's initial values are written by the sharded module's
+        ``reset_parameters`` (chunked, straight to the tier); its cache starts empty."""
+        bounds = zip(
+            self._weight_init_mins,  # type: ignore[attr-defined]
+            self._weight_init_maxs,  # type: ignore[attr-defined]
+        )
+        for t, (weight, (low, high)) in enumerate(
+            zip(self._emb_module.split_embedding_weights(), bounds)
+        ):
+            if t not in self._tiered_index:
+                cast(torch.Tensor, weight).data.uniform_(low, high)
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         return self.tiers.stats()
@@ -253,15 +314,34 @@ class _TieredKernelMixin:
     def named_split_embedding_weights(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, shard in enumerate(self.tiers.shards):
-            yield f"{prefix}{shard.name}.weight", self.tiers.views.weight_view(i)
+        tables = self._config.embedding_tables  # type: ignore[attr-defined]
+        for table, weight in zip(tables, self._table_weights()):
+            yield f"{prefix}{table.name}.weight", weight
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
-        return [self.tiers.views.weight_view(i) for i in range(len(self.tiers.shards))]
+        return self._table_weights()
+
+    def _resident_tables(self) -> list[tuple[ShardedEmbeddingTable, torch.Tensor]]:
+        tables = self._config.embedding_tables  # type: ignore[attr-defined]
+        weights = self._emb_module.split_embedding_weights()
+        return [
+            (table, cast(torch.Tensor, w))
+            for t, (table, w) in enumerate(zip(tables, weights))
+            if t not in self._tiered_index
+        ]
 
     def named_parameters_by_table(self) -> Iterator[tuple[str, Any]]:
-        # Tiered tables register their (tier-backed) state themselves; see the sharded modules.
-        yield from ()
+        # Resident tables as TorchRec's FUSED kernel yields them (a slice of the module's
+        # weights with its own fused optimizer). Tiered tables register their (tier-backed)
+        # state themselves; see the sharded modules.
+        counts = Counter(table.name for table, _ in self._resident_tables())
+        if counts:
+            yield from _gen_named_parameters_by_table_fused(
+                self._emb_module,
+                dict(counts),
+                self._config,  # type: ignore[attr-defined]
+                self._pg,  # type: ignore[attr-defined]
+            )
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -271,8 +351,12 @@ class _TieredKernelMixin:
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        # Fused: no parameter is handed to a dense optimizer or to DDP.
-        yield from ()
+        # Resident tables as TorchRec's FUSED kernel yields them (marked as updated in the
+        # backward, so no dense optimizer takes them); tiered tables have no parameter.
+        for table, weight in self._resident_tables():
+            param = nn.Parameter(weight)
+            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+            yield f"{prefix}{table.name}.weight", param
 
     def state_dict(
         self,
@@ -280,8 +364,18 @@ class _TieredKernelMixin:
         prefix: str = "",
         keep_vars: bool = False,
     ) -> dict[str, Any]:
-        # The sharded module builds the tier-backed sharded tensors; the lookup adds nothing.
-        return destination if destination is not None else {}
+        # Resident tables as TorchRec's FUSED kernel gives them; the sharded module builds the
+        # tier-backed sharded tensors of the tiered ones.
+        resident = self._resident_tables()
+        if not resident:
+            return destination if destination is not None else {}
+        return get_state_dict(
+            [table for table, _ in resident],
+            [weight for _, weight in resident],
+            self._pg,  # type: ignore[attr-defined]
+            destination,
+            prefix,
+        )
 
 
 class TieredEmbeddingBag(
@@ -310,6 +404,7 @@ class TieredEmbeddingBag(
             config, self._local_cols, self._feature_table_map, self._pooling, device, table_options
         )
         self._init_tiers(config, pg, options, storage)
+        self.init_parameters()
 
     def forward(
         self,
@@ -349,6 +444,7 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
             table_options,
         )
         self._init_tiers(config, pg, options, storage)
+        self.init_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         out = BaseBatchedEmbedding.forward(self, self._remap(features))

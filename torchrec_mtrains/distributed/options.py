@@ -6,7 +6,8 @@ so the tier, cache size and policy of each table ride beside it: a
 the tiered sharded modules hand each kernel the options of its tables by name. They are not
 fused parameters: TorchRec groups tables into kernels by fused parameters, and every tiered table
 of a lookup, whatever its tier, cache size and policy, belongs in one kernel (one fbgemm module,
-one remap per batch, nothing for TorchRec to concatenate).
+one remap per batch, nothing for TorchRec to concatenate; the lookup's FUSED tables join it, see
+:func:`~torchrec_mtrains.distributed.sharded.one_group_per_lookup`).
 
 Where the tiers' files go, and how their stores are opened (block size, queue depth, ...), is a
 property of the host, not of a table: :class:`TierStorage`, given to the sharders. Its per-tier

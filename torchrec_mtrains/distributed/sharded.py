@@ -10,6 +10,7 @@ chunk. Tables on TorchRec's own kernels are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,7 +34,12 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
+from torchrec_mtrains.distributed.kernel import (
+    DROPPED_FUSED_PARAMS,
+    TieredEmbedding,
+    TieredEmbeddingBag,
+    is_resident,
+)
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -574,6 +580,49 @@ def _has_tiered(configs: Sequence[GroupedEmbeddingConfig]) -> bool:
     return any(c.compute_kernel == _CUSTOM for c in configs)
 
 
+# Fused params that configure a kernel's cache or streaming, not the tables' training.
+_KERNEL_ONLY_PARAMS = ("cache_precision", *DROPPED_FUSED_PARAMS)
+
+
+def _group_key(config: GroupedEmbeddingConfig) -> tuple[Any, ...]:
+    params = {k: v for k, v in (config.fused_params or {}).items() if k not in _KERNEL_ONLY_PARAMS}
+    return (
+        config.data_type,
+        config.pooling,
+        config.is_weighted,
+        config.has_feature_processor,
+        config.enable_embedding_update,
+        sorted(params.items(), key=lambda kv: kv[0]),
+    )
+
+
+def one_group_per_lookup(
+    configs: Sequence[GroupedEmbeddingConfig],
+) -> list[GroupedEmbeddingConfig]:
+    """The groups of a lookup with a tiered group, as one group for one tiered kernel when
+    every other group holds only FUSED tables trained alike (same data type, pooling,
+    weighting and optimizer): the kernel keeps those tables whole, as FUSED would, so the
+    lookup runs one fbgemm module and TorchRec concatenates no outputs. Tables keep their
+    order, so features and output columns are where TorchRec put them. Otherwise (a
+    UVM-caching table beside them, another optimizer) the groups are returned as they came."""
+    if not _has_tiered(configs) or len(configs) < 2:
+        return list(configs)
+    mergeable = all(
+        c.compute_kernel == _CUSTOM or all(is_resident(t) for t in c.embedding_tables)
+        for c in configs
+    )
+    if not mergeable or len({repr(_group_key(c)) for c in configs}) != 1:
+        return list(configs)
+    tiered = next(c for c in configs if c.compute_kernel == _CUSTOM)
+    return [
+        dataclasses.replace(
+            tiered,
+            embedding_tables=[t for c in configs for t in c.embedding_tables],
+            fused_params=dict(tiered.fused_params or {}),
+        )
+    ]
+
+
 class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingBagCollection):
     """ShardedEmbeddingBagCollection whose plan may place tables on storage tiers.
 
@@ -596,7 +645,7 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
                 TieredGroupedPooledEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
-                    grouped_configs=configs,
+                    grouped_configs=one_group_per_lookup(configs),
                     pg=sharding._pg,
                     device=sharding._device,
                     sharding_type=_sharding_type_of(sharding),
@@ -621,7 +670,7 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
                 lookup = TieredGroupedEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
-                    grouped_configs=configs,
+                    grouped_configs=one_group_per_lookup(configs),
                     pg=sharding._pg,
                     device=sharding._device,
                     env=sharding._env,

@@ -126,7 +126,9 @@ class TieredTableGroup:
 
     Args:
         tables: the kernel's sharded table configs.
-        feature_table_map: table index of each input feature, in feature order.
+        feature_table_map: table index of each input feature, in feature order; -1 for a
+            feature of a table outside the group (the kernel's resident tables), whose ids
+            :meth:`remap` returns unchanged.
         weight_slots: per table, the fused module's weight view (``split_embedding_weights()``).
         states: per table, the fused module's optimizer states (``get_optimizer_state()``).
         options: placement of each table (tier, cache size, policy), aligned with ``tables``.
@@ -218,7 +220,8 @@ class TieredTableGroup:
         segments = list(torch.split(ids, lengths_per_feature))
         per_table: list[list[int]] = [[] for _ in self.shards]
         for feature, table_idx in enumerate(self.feature_table_map):
-            per_table[table_idx].append(feature)
+            if table_idx >= 0:  # -1: a table outside the group (its ids pass through)
+                per_table[table_idx].append(feature)
         table_ids: list[torch.Tensor] = []
         for shard, features in zip(self.shards, per_table):
             t_ids = torch.cat([segments[f] for f in features]) if features else ids[:0]
