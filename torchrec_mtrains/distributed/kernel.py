@@ -174,7 +174,8 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
 class _TieredKernelMixin:
     """What the pooled and the sequence tiered kernels share: the cache module, the tier-backed
-    optimizer view, remapping, flush/purge and statistics."""
+    optimizer view, remapping, flush/purge and statistics, and the resident tables' state as
+    TorchRec's FUSED kernel exposes it."""
 
     _emb_module: SplitTableBatchedEmbeddingBagsCodegen
     _optim: _TierBackedFusedOptimizer
@@ -190,8 +191,8 @@ class _TieredKernelMixin:
     ) -> None:
         self.storage = storage
         # Config index of each tiered table, in the group's order; resident ones are not in it.
-        self._tiered_index = {t: i for i, t in enumerate(k for k, o in enumerate(options) if o)}
-        tiered = list(self._tiered_index)
+        tiered = [t for t, o in enumerate(options) if o is not None]
+        self._tiered_index = {t: i for i, t in enumerate(tiered)}
         module_weights = self._emb_module.split_embedding_weights()
         module_states = self._emb_module.get_optimizer_state() or [{} for _ in options]
         self.tiers = TieredTableGroup(
