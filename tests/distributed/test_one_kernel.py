@@ -40,7 +40,8 @@ def _process_group(one_rank_process_group: None) -> None:
 
 
 def _model(root: Path, own_pooling: PoolingType = PoolingType.SUM) -> DistributedModelParallel:
-    # Features f0 and f1 as test_checkpoint.train feeds them: f0 ids < 300, f1 ids < 40.
+    # Features f0 and f1 as test_checkpoint.train feeds them: f0 ids < 300, f1 ids < 40 ("own"
+    # has more rows than a checkpoint chunk, so chunking its state would show).
     tables = [
         EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=300, feature_names=["f0"]),
         EmbeddingBagConfig(name="mid", embedding_dim=16, num_embeddings=300, feature_names=["f0"]),
@@ -48,7 +49,7 @@ def _model(root: Path, own_pooling: PoolingType = PoolingType.SUM) -> Distribute
         EmbeddingBagConfig(
             name="own",
             embedding_dim=4,
-            num_embeddings=40,
+            num_embeddings=100,
             feature_names=["f1"],
             pooling=own_pooling,
         ),
@@ -101,12 +102,17 @@ def test_tables_of_every_tier_share_one_kernel(tmp_path: Path) -> None:
     # "own" keeps all its rows in the module, as FUSED would, with no tier or cache.
     own = kernel.split_embedding_weights()[3]
     assert (
-        own.shape == (40, 4)
+        own.shape == (100, 4)
         and own.data_ptr() == kernel.emb_module.split_embedding_weights()[3].data_ptr()
     )
     ebc = model.module
     assert set(ebc.state_dict()) >= {f"embedding_bags.{n}.weight" for n in [*PLACEMENT, "own"]}
     assert "embedding_bags.own.weight" in dict(model.named_parameters())
+    # Tiered state is split into checkpoint chunks (64 rows); the resident table's is laid out
+    # as TorchRec's FUSED kernel lays it out, one shard.
+    state = model.fused_optimizer.state_dict()["state"]
+    assert len(state["embedding_bags.big.weight"]["big.momentum1"].local_shards()) == 5
+    assert len(state["embedding_bags.own.weight"]["own.momentum1"].local_shards()) == 1
 
 
 def test_fused_tables_pooled_otherwise_keep_torchrec_kernel(tmp_path: Path) -> None:

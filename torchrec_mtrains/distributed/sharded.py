@@ -457,14 +457,21 @@ class _TieredShardedMixin:
         self._chunk_optimizer_state(pg)
 
     def _chunk_optimizer_state(self, pg: dist.ProcessGroup | None) -> None:
-        """Splits the tier-backed optimizer states into row chunks too (same reason)."""
+        """Splits the tier-backed optimizer states into row chunks too (same reason). The
+        kernel's resident tables keep theirs as TorchRec's FUSED kernel lays them out."""
         chunk = self._tier_storage.checkpoint_chunk_rows
+        tiered = [f"{name}.weight" for name in self._tiered_table_names()]
         for lookup in self._lookups:
             module = getattr(lookup, "module", lookup)
             for kernel in getattr(module, "_emb_modules", []):
                 if not isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                     continue
-                for states in kernel.fused_optimizer.unsynced_state.values():
+                optimizer = kernel.fused_optimizer
+                for name, param in optimizer.params.items():
+                    # Keys are "<table>.weight", prefixed by the module path once registered.
+                    if not any(name == key or name.endswith(f".{key}") for key in tiered):
+                        continue
+                    states = optimizer.unsynced_state[param]
                     for key, value in list(states.items()):
                         if isinstance(value, ShardedTensor):
                             states[key] = chunk_sharded_tensor(value, chunk, pg)
