@@ -299,15 +299,8 @@ class _TieredKernelMixin:
         """Resident tables start as TorchRec's FUSED kernel starts them (uniform within their
         config's bounds). A tiered table's initial values are written by the sharded module's
         ``reset_parameters`` (chunked, straight to the tier); its cache starts empty."""
-        bounds = zip(
-            self._weight_init_mins,  # type: ignore[attr-defined]
-            self._weight_init_maxs,  # type: ignore[attr-defined]
-        )
-        for t, (weight, (low, high)) in enumerate(
-            zip(self._emb_module.split_embedding_weights(), bounds)
-        ):
-            if t not in self._tiered_index:
-                cast(torch.Tensor, weight).data.uniform_(low, high)
+        for table, weight in self._resident_tables():
+            weight.data.uniform_(table.get_weight_init_min(), table.get_weight_init_max())
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         return self.tiers.stats()
