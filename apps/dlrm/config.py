@@ -91,9 +91,11 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    """``pipeline``: batches read ahead of the running one (0 = the plain loop)."""
+    """``pipeline``: batches whose rows the tiers fetch ahead of the running one (0 = the
+    plain loop), and batches a background thread builds ahead of the loop (0 = inline)."""
 
     lookahead: int = MISSING
+    read_ahead: int = MISSING
 
 
 @dataclass

@@ -63,6 +63,7 @@ from apps.dlrm.checkpoints import (
 )
 from apps.dlrm.config import CONF_DIR, check_keys
 from apps.dlrm.data import MalformedRowError, Split, build_dataloader
+from apps.dlrm.data.background import read_ahead
 from apps.dlrm.errors import USER_ERRORS, ConfigError, RunDirError, one_paragraph
 from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes, lookahead_depth
 from apps.dlrm.progress import Progress
@@ -162,9 +163,10 @@ def _source(
 
 
 def _in_step(
-    source: Iterable[Batch], world: int, device: torch.device
+    source: Iterable[Batch], world: int, device: torch.device, read_ahead_batches: int
 ) -> tuple[Iterator[Batch], int | None]:
-    """``source`` cut to the batches every rank has, and their number when known up front.
+    """``source`` cut to the batches every rank has, and their number when known up front,
+    built ``read_ahead_batches`` ahead by a background thread (0: as they are taken).
 
     A source with a length agrees on the shortest once; one without (a text file's lines are
     not counted in advance) agrees before each batch whether every rank still has one."""
@@ -174,10 +176,21 @@ def _in_step(
             shortest = torch.tensor([count], device=device)
             dist.all_reduce(shortest, op=dist.ReduceOp.MIN)
             count = int(shortest)
-        return itertools.islice(source, count), count
+        return read_ahead(itertools.islice(source, count), read_ahead_batches), count
+    batches = read_ahead(source, read_ahead_batches)
     if world == 1:
-        return iter(source), None
-    return _while_all_have(iter(source), device), None
+        return batches, None
+    return _while_all_have(batches, device), None
+
+
+def _read_ahead_batches(cfg: DictConfig) -> int:
+    value = OmegaConf.select(cfg, "pipeline.read_ahead", default=0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"pipeline.read_ahead={value!r}: give the number of batches a background thread "
+            "builds ahead of the training loop (0 = built on the training thread)"
+        )
+    return value
 
 
 def _while_all_have(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
@@ -252,7 +265,7 @@ def _training_batches(
     start: Position,
     first: Iterable[Batch],
     state: _DataState,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """Every remaining epoch's training batches as one stream: ``first`` (the source from
     ``start``), then a fresh pass per epoch, each in step over the ranks."""
     epoch = start.epoch
@@ -260,7 +273,7 @@ def _training_batches(
         resumed = epoch == start.epoch
         index = start.batch if resumed else 0
         source = first if resumed else _source(cfg, rank, world, Split.TRAIN)
-        batches, count = _in_step(source, world, device)
+        batches, count = _in_step(source, world, device, _read_ahead_batches(cfg))
         if count is not None:
             state.epoch_batches = index + count
         for batch in batches:
@@ -600,7 +613,8 @@ def _train(
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
     state = _DataState()
-    stream = _training_batches(cfg, rank, world, device, schedule, position, first, state)
+    training_batches = _training_batches(cfg, rank, world, device, schedule, position, first, state)
+    stream: Iterator[Batch] = training_batches
     if schedule.steps is not None:
         stream = itertools.islice(stream, max(0, schedule.steps - start_step))
     step_fn = _plain_step(model, optimizer, stream, device)
@@ -684,13 +698,14 @@ def _train(
         t0 = time.perf_counter()
         result: EvalResult | None = None
         if eval_cap != 0:
-            batches, _ = _in_step(held_out, world, device)
+            batches, _ = _in_step(held_out, world, device, _read_ahead_batches(cfg))
             with _errors_explained(cfg, run_dir):
                 result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
             log.eval(step, result)
             warned.extend(_eval_warnings(cfg, result, world))
         phases["eval"] = time.perf_counter() - t0
     finally:
+        training_batches.close()  # stops the data read-ahead thread
         log.close()
     stats = gathered_tier_stats(model, world)
     tail = losses[-max(1, len(losses) // 10) :]

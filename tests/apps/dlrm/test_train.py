@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from apps.dlrm.data import SyntheticCriteoDataset
 from apps.dlrm.model import size_option, tiered_plan
 from apps.dlrm.placement import balance_ranks, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
@@ -292,6 +294,41 @@ def test_lookahead_trains_exactly_as_the_plain_loop(
     # Without look-ahead every tier read is on the training thread's path.
     assert plain["stall_s"] >= plain["prefetch_io_s"] > 0
     assert 0 <= ahead["stall_share"] < 1
+
+
+def test_read_ahead_builds_batches_off_the_training_thread_and_trains_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pipeline.read_ahead moves building the batches to a background thread and changes
+    nothing that is trained or evaluated."""
+    builders: list[tuple[str, int]] = []
+    batch_at = SyntheticCriteoDataset.batch_at
+
+    def recorded(self: SyntheticCriteoDataset, index: int) -> Any:
+        builders.append((threading.current_thread().name, index))
+        return batch_at(self, index)
+
+    main_thread = threading.current_thread().name
+    monkeypatch.setattr(SyntheticCriteoDataset, "batch_at", recorded)
+    inline = main(config(tmp_path / "inline", "run.steps=10", "pipeline.read_ahead=0"))
+    assert {name for name, _ in builders} == {main_thread}
+    builders.clear()
+    ahead = main(config(tmp_path / "ahead", "run.steps=10", "pipeline.read_ahead=3"))
+    # The main thread only peeks at the first training and held-out batches (their ids are
+    # checked before any tier is built); every batch trained or evaluated comes from the
+    # read-ahead thread.
+    assert [(n, i) for n, i in builders if n != "dlrm-data"] == [(main_thread, 0)] * 2
+    assert sum(n == "dlrm-data" for n, _ in builders) >= 10 + 4
+    assert not [t for t in threading.enumerate() if t.name == "dlrm-data"]  # all stopped
+
+    for key in ("steps", "train_loss_last", "train_loss_mean_last_10pct", "eval_auc", "eval_ne"):
+        assert ahead[key] == inline[key], key
+    assert ahead["rows_fetched"] == inline["rows_fetched"] > 0
+
+
+def test_negative_read_ahead_names_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pipeline\.read_ahead=-2"):
+        main(config(tmp_path / "run", "pipeline.read_ahead=-2"))
 
 
 def test_negative_lookahead_names_the_option(tmp_path: Path) -> None:
