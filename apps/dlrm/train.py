@@ -164,7 +164,7 @@ def _source(
 
 def _in_step(
     source: Iterable[Batch], world: int, device: torch.device, read_ahead_batches: int
-) -> tuple[Iterator[Batch], int | None]:
+) -> tuple[Generator[Batch, None, None], int | None]:
     """``source`` cut to the batches every rank has, and their number when known up front,
     built ``read_ahead_batches`` ahead by a background thread (0: as they are taken).
 
@@ -193,7 +193,7 @@ def _read_ahead_batches(cfg: DictConfig) -> int:
     return value
 
 
-def _while_all_have(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]:
+def _while_all_have(batches: Iterator[Batch], device: torch.device) -> Generator[Batch, None, None]:
     while True:
         batch = next(batches, None)
         have = torch.tensor([batch is not None], dtype=torch.int32, device=device)
@@ -501,6 +501,7 @@ def _train(
 ) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
     lookahead = lookahead_depth(cfg)
+    _read_ahead_batches(cfg)  # checked before anything is built; read again where used
     schedule = Schedule.from_config(cfg)
     eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
     keep = _count_option(cfg, "run.keep_checkpoints", minimum=1, default=None)
@@ -699,8 +700,13 @@ def _train(
         result: EvalResult | None = None
         if eval_cap != 0:
             batches, _ = _in_step(held_out, world, device, _read_ahead_batches(cfg))
-            with _errors_explained(cfg, run_dir):
-                result = evaluate(model, itertools.islice(batches, eval_cap), device, batch_size)
+            try:
+                with _errors_explained(cfg, run_dir):
+                    result = evaluate(
+                        model, itertools.islice(batches, eval_cap), device, batch_size
+                    )
+            finally:
+                batches.close()  # stops its read-ahead thread
             log.eval(step, result)
             warned.extend(_eval_warnings(cfg, result, world))
         phases["eval"] = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class BackgroundIterator(Iterator[T], Generic[T]):
         self.close()
 
 
-def read_ahead(source: Iterable[T], depth: int) -> Iterator[T]:
+def read_ahead(source: Iterable[T], depth: int) -> Generator[T, None, None]:
     """``source``'s items, read ``depth`` ahead by a background thread (inline when 0); the
     thread stops when the returned generator is closed or collected."""
     if depth == 0:

@@ -326,9 +326,10 @@ def test_read_ahead_builds_batches_off_the_training_thread_and_trains_the_same(
     assert ahead["rows_fetched"] == inline["rows_fetched"] > 0
 
 
-def test_negative_read_ahead_names_the_option(tmp_path: Path) -> None:
+def test_negative_read_ahead_names_the_option_before_any_tier_is_built(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"pipeline\.read_ahead=-2"):
         main(config(tmp_path / "run", "pipeline.read_ahead=-2"))
+    assert not (tmp_path / "run" / "tiers").exists()
 
 
 def test_negative_lookahead_names_the_option(tmp_path: Path) -> None:
