@@ -463,6 +463,59 @@ def test_kill_at_a_random_moment_reopens_to_the_last_completed_flush(
     assert matches, f"reopened rows match neither round {done} nor {done + 1}"
 
 
+_EXPORT_CHILD = """
+import sys, time
+from pathlib import Path
+import numpy as np
+from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore, LogBlockScmOptions
+from torchrec_mtrains.types import RowLayout
+layout = RowLayout(3000, 16, 1)
+opts = LogBlockScmOptions.from_mapping(
+    {"block_size": 512, "segment_bytes": 2048, "engine": "threads", "max_pass_bytes": 4096}
+)
+store = LogBlockSCMStore(Path(sys.argv[1]), "t", layout, options=opts)
+out = np.zeros((layout.num_rows, layout.row_width), np.float32)
+
+def written():  # after the first id range: the spill files of the others are on disk
+    print("exporting", flush=True)
+    time.sleep(60)
+
+store.export_rows(out, written=written)
+"""
+
+
+def test_an_export_killed_midway_leaves_spill_files_that_the_next_open_removes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An export of a table larger than one pass spills its rows next to the tier file; a
+    kill leaves them there (a copy of the table), and the next open removes them."""
+    rng = np.random.default_rng(5)
+    options = {**SMALL_OPTIONS, "max_pass_bytes": 4096}
+    expected = rng.standard_normal((SMALL.num_rows, SMALL.row_width)).astype(np.float32)
+    with _store(tmp_path, SMALL, **options) as store:
+        store.write_range(0, expected)
+    other = tmp_path / ".other.log_block_scm.rows.export.keep"  # another table's: kept
+    other.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EXPORT_CHILD, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "exporting"
+    finally:
+        _kill(child)
+    spills = [p for p in tmp_path.glob(f".{store.path.name}.export.*") if p.is_dir()]
+    assert len(spills) == 1 and any(f.stat().st_size for f in spills[0].iterdir())
+
+    with caplog.at_level(logging.WARNING), _store(tmp_path, SMALL, mode="open", **options) as store:
+        np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), expected)
+    assert not spills[0].exists() and other.is_dir()
+    assert f"removed {spills[0]}" in caplog.text
+
+
 def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
     layout = RowLayout(500, 4)
     store = _store(tmp_path, layout)

@@ -39,8 +39,10 @@ A row's slot ``s`` lies at ``data_offset + (s // segment_slots) * segment_bytes 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -79,6 +81,8 @@ from torchrec_mtrains.tiers.base import (
     resolve_options,
 )
 from torchrec_mtrains.types import RowLayout
+
+_logger: logging.Logger = logging.getLogger(__name__)
 
 CKPT_MAGIC = b"MTRNLOGI"
 # magic, generation, block_size, segment_blocks, segments, head segment, head slot, num_rows,
@@ -362,6 +366,7 @@ class LogBlockSCMStore(RowStore):
         except BaseException:
             self._close()
             raise
+        self._remove_stale_spills()
         self.log_stats = LogStats()  # opening is not the work a benchmark measures
         self.stats = TierStats()
 
@@ -404,7 +409,8 @@ class LogBlockSCMStore(RowStore):
         next to the tier file, then each range is read back and written to ``out`` in id
         order, and ``written`` is called after it. Rows never written are zeros in ``out``
         where their range holds rows, and left as they are elsewhere (a new file holds
-        zeros). Writes wait meanwhile; reads go on. (``chunk_rows`` is unused.)"""
+        zeros). Writes wait meanwhile; reads go on. (``chunk_rows`` is unused.) Spill files
+        a killed export leaves behind are removed when the file is next opened."""
         self._check_export_target(out)
         rb, n = self.geometry.row_bytes, self.layout.num_rows
         dtype = self.layout.dtype.numpy_dtype
@@ -417,7 +423,7 @@ class LogBlockSCMStore(RowStore):
                     written()
                 return
             with tempfile.TemporaryDirectory(
-                prefix=f".{self.path.name}.export.", dir=self.directory
+                prefix=self._spill_prefix(), dir=self.directory
             ) as spill:
                 ranges = self._spill_by_id_range(Path(spill), range_rows)
                 for k, (ids_file, rows_file) in sorted(ranges.items()):
@@ -431,6 +437,25 @@ class LogBlockSCMStore(RowStore):
                     out[first : first + slab.shape[0]] = slab.view(dtype).reshape(slab.shape[0], -1)
                     if written is not None:
                         written()
+
+    def _spill_prefix(self) -> str:
+        return f".{self.path.name}.export."
+
+    def _remove_stale_spills(self) -> None:
+        """Removes the spill folders of exports whose process was killed: each can hold a
+        copy of the table. A tier file has one user at a time, so any found at open are
+        stale."""
+        for stale in self.directory.glob(self._spill_prefix() + "*"):
+            if not stale.is_dir():
+                continue
+            size = sum(f.stat().st_size for f in stale.iterdir() if f.is_file())
+            shutil.rmtree(stale, ignore_errors=True)
+            _logger.warning(
+                "%s: removed %s (%d bytes), left by an export that did not finish",
+                self.path,
+                stale,
+                size,
+            )
 
     def _scan_rows(self) -> Iterator[tuple[I64Array, U8Array]]:
         """The live rows of the log, in runs of at most ``max_pass_bytes`` of consecutive
