@@ -445,8 +445,9 @@ class LogBlockSCMStore(RowStore):
         """Removes the spill folders of exports whose process was killed: each can hold a
         copy of the table. A tier file has one user at a time, so any found at open are
         stale."""
-        for stale in self.directory.glob(self._spill_prefix() + "*"):
-            if not stale.is_dir():
+        prefix = self._spill_prefix()  # matched as text: a table's name may hold glob characters
+        for stale in self.directory.iterdir():
+            if not (stale.name.startswith(prefix) and stale.is_dir()):
                 continue
             size = sum(f.stat().st_size for f in stale.iterdir() if f.is_file())
             shutil.rmtree(stale, ignore_errors=True)
