@@ -1101,13 +1101,7 @@ def _tiered_targets(variant: str, results: dict[str, Any], a_rate: float | None)
     if variant != "ours":
         out[f"{variant}_vs_A_at_15pct"] = _target(_ratio(_rate(run), a_rate), TARGET_VS_A)
     ok = bool(run.get("ok"))
-    tiers = run.get("tiers") if ok else None
-    steps = run["steps"]["windows"] * run["steps"]["window_steps"] if ok else 0
-    blocks = (
-        (tiers["tier_bytes_read"] + tiers["tier_bytes_written"]) / BLOCK_SIZE / steps
-        if tiers and steps
-        else None
-    )
+    blocks = _blocks_per_step(run)
     worker = (run.get("cpu_ms_per_step") or {}).get("tier_io") if ok else None
     stall = run.get("stall_share") if ok else None
     out[f"{variant}_blocks_per_step_at_15pct"] = _target(blocks, TARGET_BLOCKS_AT_15, True)
@@ -1126,11 +1120,11 @@ def _device_floor(
     I/O calls (an append or a merged run is one call) are reported beside. With I/O fully
     overlapped, a step cannot be shorter than this floor (conservative for the log's
     sequential I/O); ``A's step / floor`` bounds ours / A on this device."""
-    tiers = ours.get("tiers") if ours.get("ok") else None
-    if not tiers:
+    blocks = _blocks_per_step(ours)
+    if blocks is None:
         return {"ours_blocks_per_step": None, "ours_device_floor_ms": None}
     steps = ours["steps"]["windows"] * ours["steps"]["window_steps"]
-    blocks = (tiers["tier_bytes_read"] + tiers["tier_bytes_written"]) / BLOCK_SIZE / steps
+    tiers = ours["tiers"]
     floor_ms = blocks / fio_iops * 1e3 if fio_iops else None
     a_step = a.get("step_ms_median") if a.get("ok") else None
     return {
@@ -1139,6 +1133,15 @@ def _device_floor(
         "ours_device_floor_ms": floor_ms,
         "ours_vs_A_device_bound": a_step / floor_ms if a_step and floor_ms else None,
     }
+
+
+def _blocks_per_step(run: dict[str, Any]) -> float | None:
+    """4 KiB blocks a timed step of a tiered variant moved (read, written back, compacted)."""
+    tiers = run.get("tiers") if run.get("ok") else None
+    if not tiers:
+        return None
+    steps = run["steps"]["windows"] * run["steps"]["window_steps"]
+    return float(tiers["tier_bytes_read"] + tiers["tier_bytes_written"]) / BLOCK_SIZE / steps
 
 
 def _rate(run: dict[str, Any]) -> float | None:

@@ -265,15 +265,17 @@ def _training_batches(
     start: Position,
     first: Iterable[Batch],
     state: _DataState,
+    read_ahead_batches: int,
 ) -> Generator[Batch, None, None]:
     """Every remaining epoch's training batches as one stream: ``first`` (the source from
-    ``start``), then a fresh pass per epoch, each in step over the ranks."""
+    ``start``), then a fresh pass per epoch, each in step over the ranks and built
+    ``read_ahead_batches`` ahead by a background thread."""
     epoch = start.epoch
     while schedule.epochs is None or epoch < schedule.epochs:
         resumed = epoch == start.epoch
         index = start.batch if resumed else 0
         source = first if resumed else _source(cfg, rank, world, Split.TRAIN)
-        batches, count = _in_step(source, world, device, _read_ahead_batches(cfg))
+        batches, count = _in_step(source, world, device, read_ahead_batches)
         if count is not None:
             state.epoch_batches = index + count
         for batch in batches:
@@ -501,7 +503,7 @@ def _train(
 ) -> dict[str, Any]:
     torch.manual_seed(int(cfg.run.seed))
     lookahead = lookahead_depth(cfg)
-    _read_ahead_batches(cfg)  # checked before anything is built; read again where used
+    read_ahead = _read_ahead_batches(cfg)  # checked before anything is built
     schedule = Schedule.from_config(cfg)
     eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
     keep = _count_option(cfg, "run.keep_checkpoints", minimum=1, default=None)
@@ -614,7 +616,9 @@ def _train(
     timed_start = time.perf_counter()
     ckpt_every = int(cfg.run.checkpoint_every)
     state = _DataState()
-    training_batches = _training_batches(cfg, rank, world, device, schedule, position, first, state)
+    training_batches = _training_batches(
+        cfg, rank, world, device, schedule, position, first, state, read_ahead
+    )
     stream: Iterator[Batch] = training_batches
     if schedule.steps is not None:
         stream = itertools.islice(stream, max(0, schedule.steps - start_step))
@@ -699,7 +703,7 @@ def _train(
         t0 = time.perf_counter()
         result: EvalResult | None = None
         if eval_cap != 0:
-            batches, _ = _in_step(held_out, world, device, _read_ahead_batches(cfg))
+            batches, _ = _in_step(held_out, world, device, read_ahead)
             try:
                 with _errors_explained(cfg, run_dir):
                     result = evaluate(

@@ -62,9 +62,6 @@ class BackgroundIterator(Iterator[T], Generic[T]):
                 continue
         return False
 
-    def __iter__(self) -> BackgroundIterator[T]:
-        return self
-
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
