@@ -22,7 +22,7 @@ import math
 import os
 import tempfile
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -344,11 +344,11 @@ def set_weights(model: DistributedModelParallel, weights: dict[str, torch.Tensor
     the fused kernel's weights)."""
     for key, value in model.state_dict().items():
         table = key.split(".")[-2]
-        for off, size, tensor in _regions(value):
+        for off, size, tensor in regions(value):
             tensor.copy_(weights[table][off[0] : off[0] + size[0], off[1] : off[1] + size[1]])
     for key, value in model.state_dict().items():
         table = key.split(".")[-2]
-        for off, size, tensor in _regions(value):
+        for off, size, tensor in regions(value):
             want = weights[table][off[0] : off[0] + size[0], off[1] : off[1] + size[1]]
             assert torch.equal(tensor.cpu(), want), f"{key}: state-dict shards are not live views"
 
@@ -415,7 +415,8 @@ def train(
 # ----------------------------------------------------------------------------- comparing
 
 
-def _regions(value: Any) -> list[tuple[list[int], list[int], torch.Tensor]]:
+def regions(value: Any) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """``(offsets, sizes, tensor)`` of each local shard of ``value`` (a plain tensor: one)."""
     if isinstance(value, ShardedTensor):
         return [
             (list(s.metadata.shard_offsets), list(s.metadata.shard_sizes), s.tensor)
@@ -425,17 +426,17 @@ def _regions(value: Any) -> list[tuple[list[int], list[int], torch.Tensor]]:
     return [([0] * value.dim(), list(value.shape), value)]
 
 
-def local_diff(ref: Any, tie: Any) -> float:
-    """Largest |ref - tie| over this rank's shards of ``ref``, read from ``tie``'s local shards
-    (which may be split differently). Raises when ``tie`` lacks part of a local shard."""
-    worst = 0.0
-    ref_regions, tie_regions = _regions(ref), _regions(tie)
+def assembled_pairs(ref: Any, tie: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per local shard of ``ref``: it (as float64 on the CPU) and what ``tie``'s local shards,
+    which may be split into other chunks, hold over the same region. Raises when ``tie`` holds
+    other elements or lacks part of a shard."""
+    ref_regions, tie_regions = regions(ref), regions(tie)
     ref_elems = sum(math.prod(sizes) for _, sizes, _ in ref_regions)
     tie_elems = sum(math.prod(sizes) for _, sizes, _ in tie_regions)
     if ref_elems != tie_elems:
         raise AssertionError(f"local elements differ: reference {ref_elems}, tiered {tie_elems}")
     for off, size, tensor in ref_regions:
-        assembled = torch.full(size, float("nan"))
+        got = torch.full(size, float("nan"), dtype=torch.float64)
         for t_off, t_size, t_tensor in tie_regions:
             lo = [max(a, b) for a, b in zip(off, t_off)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(off, size, t_off, t_size)]
@@ -443,11 +444,18 @@ def local_diff(ref: Any, tie: Any) -> float:
                 continue
             dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, off))
             src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off))
-            assembled[dst] = t_tensor[src].to(CPU, torch.float32)
-        if bool(torch.isnan(assembled).any()):
+            got[dst] = t_tensor[src].to(CPU, torch.float64)
+        if bool(torch.isnan(got).any()):
             raise AssertionError(f"tiered model lacks part of the local shard at {off}")
-        if tensor.numel():
-            worst = max(worst, float((tensor.to(CPU, torch.float32) - assembled).abs().max()))
+        yield tensor.to(CPU, torch.float64), got
+
+
+def local_diff(ref: Any, tie: Any) -> float:
+    """Largest |ref - tie| over this rank's shards of ``ref`` (see :func:`assembled_pairs`)."""
+    worst = 0.0
+    for want, got in assembled_pairs(ref, tie):
+        if want.numel():
+            worst = max(worst, float((want - got).abs().max()))
     return worst
 
 

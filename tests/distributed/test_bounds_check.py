@@ -155,10 +155,10 @@ def _snapshot(model: DistributedModelParallel) -> dict[str, torch.Tensor]:
     """Every local weight and optimizer state value, copied."""
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
-        out.update({f"{key}@{off}": t.clone() for off, _, t in h._regions(value)})
+        out.update({f"{key}@{off}": t.clone() for off, _, t in h.regions(value)})
     for key, state in model.fused_optimizer.state_dict()["state"].items():
         for name, value in state.items():
-            out.update({f"{key}.{name}@{off}": t.clone() for off, _, t in h._regions(value)})
+            out.update({f"{key}.{name}@{off}": t.clone() for off, _, t in h.regions(value)})
     return out
 
 
@@ -427,7 +427,7 @@ def test_warn_keeps_a_variable_batch_per_feature(tmp_path: Path) -> None:
         out = out.wait() if hasattr(out, "wait") else out
         out.values().square().sum().backward()
     for key, value in plain.state_dict().items():
-        assert torch.equal(h._regions(value)[0][2], h._regions(warn.state_dict()[key])[0][2]), key
+        assert torch.equal(h.regions(value)[0][2], h.regions(warn.state_dict()[key])[0][2]), key
 
 
 # ------------------------------------------------------------------------ world size 2

@@ -6,11 +6,12 @@ batch's row ids are turned into cache slots by :class:`TieredTableGroup`, which 
 rows from their tier and writes evicted dirty rows back. Forward, backward and the fused
 optimizer then run unchanged on the slots, so updates match TorchRec's FUSED kernel row for row.
 
-The same module also computes the lookup's *resident* tables: those the plan puts on TorchRec's
-FUSED kernel (see :func:`~torchrec_mtrains.distributed.sharded.one_group_per_lookup`). They keep
-all their rows in the module, as FUSED keeps them, and their ids go to fbgemm unchanged. So a
-lookup runs one fbgemm module and TorchRec concatenates no outputs: on W1 at a 15% budget that
-concatenation cost the training thread about 12 ms of a 112 ms step.
+A kernel computes one of TorchRec's table groups, as TorchRec groups them when the tiered tables
+are FUSED (see :mod:`~torchrec_mtrains.distributed.grouping`): its *resident* tables, those the
+plan keeps on TorchRec's own kernels, keep all their rows in the module where TorchRec's kernel
+would keep them, and their ids go to fbgemm unchanged. So a lookup runs the fbgemm modules the
+FUSED model runs, over the same tables in the same order, and its features and output columns
+are where TorchRec puts them.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ from torchrec.distributed.batched_embedding_kernel import (
 )
 from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import (
-    EmbeddingComputeKernel,
     GroupedEmbeddingConfig,
     ShardedEmbeddingTable,
+    compute_kernel_to_embedding_location,
 )
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.utils import data_type_to_sparse_type
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_mtrains.distributed.grouping import is_tiered
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
 from torchrec_mtrains.distributed.sharded_state import (
     alias_registry,
@@ -58,14 +60,26 @@ from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# fused-param keys TorchRec or fbgemm use for other kernels that the cache module must not see.
+# fused-param keys TorchRec or fbgemm use for other kernels that the cache module must not see
+# (``cache_load_factor`` sizes fbgemm's own cache, kept for a resident UVM-caching table).
 DROPPED_FUSED_PARAMS = ("cache_load_factor", "prefetch_pipeline", "enable_raw_embedding_streaming")
+CACHE_LOAD_FACTOR = "cache_load_factor"
 
 
 def is_resident(table: ShardedEmbeddingTable) -> bool:
-    """Whether ``table`` is planned on TorchRec's FUSED kernel: a tiered kernel computing it keeps
-    all its rows in the fbgemm module, with no tier and no cache."""
-    return table.compute_kernel == EmbeddingComputeKernel.FUSED
+    """Whether ``table`` is planned on one of TorchRec's kernels: a tiered kernel computing it
+    keeps all its rows in the fbgemm module, with no tier and no cache of ours."""
+    return not is_tiered(table)
+
+
+def _location(table: ShardedEmbeddingTable, on_cuda: bool) -> EmbeddingLocation:
+    """Where the module keeps ``table``: a tiered table's cache slots on the compute device, a
+    resident table where TorchRec's fused kernel keeps it (HBM, UVM or UVM-cached on CUDA)."""
+    if not on_cuda:
+        return EmbeddingLocation.HOST
+    if is_resident(table):
+        return compute_kernel_to_embedding_location(table.compute_kernel)
+    return EmbeddingLocation.DEVICE
 
 
 def _build_cache_module(
@@ -88,11 +102,13 @@ def _build_cache_module(
             "tier; plan them with TieredParameterSharding (or the tiered planner)"
         )
     options = [None if is_resident(t) else table_options[t.name] for t in config.embedding_tables]
-    fused_params = dict(config.fused_params or {})
-    for key in DROPPED_FUSED_PARAMS:
-        fused_params.pop(key, None)
     on_cuda = device is not None and device.type == "cuda"
-    location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+    locations = [_location(t, on_cuda) for t in config.embedding_tables]
+    fused_params = dict(config.fused_params or {})
+    uvm_cached = EmbeddingLocation.MANAGED_CACHING in locations
+    for key in DROPPED_FUSED_PARAMS:
+        if not (key == CACHE_LOAD_FACTOR and uvm_cached):
+            fused_params.pop(key, None)
     compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
     cache_rows = [
         t.local_rows if o is None else o.cache_rows(t.local_rows)
@@ -101,7 +117,9 @@ def _build_cache_module(
     precision = data_type_to_sparse_type(config.data_type)
     fused_params.setdefault("cache_precision", precision)
     module = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(r, c, location, compute) for r, c in zip(cache_rows, local_cols)],
+        embedding_specs=[
+            (r, c, loc, compute) for r, c, loc in zip(cache_rows, local_cols, locations)
+        ],
         feature_table_map=feature_table_map,
         pooling_mode=pooling,
         weights_precision=precision,

@@ -4,10 +4,10 @@ TorchRec 1.8 has one hook for a third-party kernel, ``EmbeddingComputeKernel.CUS
 so the tier, cache size and policy of each table ride beside it: a
 :class:`TieredParameterSharding` (a ``ParameterSharding`` subclass) holds them in the plan, and
 the tiered sharded modules hand each kernel the options of its tables by name. They are not
-fused parameters: TorchRec groups tables into kernels by fused parameters, and every tiered table
-of a lookup, whatever its tier, cache size and policy, belongs in one kernel (one fbgemm module,
-one remap per batch, nothing for TorchRec to concatenate; the lookup's FUSED tables join it, see
-:func:`~torchrec_mtrains.distributed.sharded.one_group_per_lookup`).
+fused parameters: TorchRec groups tables into kernels by fused parameters, and a tiered table
+belongs in the group TorchRec would put it in on FUSED, whatever its tier, cache size and policy
+(one fbgemm module per group, with the group's FUSED tables; see
+:mod:`~torchrec_mtrains.distributed.grouping`).
 
 Where the tiers' files go, and how their stores are opened (block size, queue depth, ...), is a
 property of the host, not of a table: :class:`TierStorage`, given to the sharders. Its per-tier

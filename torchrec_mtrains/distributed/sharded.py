@@ -10,7 +10,6 @@ chunk. Tables on TorchRec's own kernels are untouched.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,12 +33,8 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_mtrains.distributed.kernel import (
-    DROPPED_FUSED_PARAMS,
-    TieredEmbedding,
-    TieredEmbeddingBag,
-    is_resident,
-)
+from torchrec_mtrains.distributed.grouping import has_tiered, regroup_as_fused
+from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -58,6 +53,7 @@ from torchrec_mtrains.distributed.tiered_tables import (
     TieredTableGroup,
     TieredTableShard,
 )
+from torchrec_mtrains.initializers import RowAddressedInit
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -275,15 +271,46 @@ class _TieredShardedMixin:
         if device is not None and device.type == "meta":
             return
         # TorchRec's reset initializes every table through its registered weight; tiered
-        # tables have none and are initialized chunk by chunk on their tiers instead.
+        # tables have none and are initialized chunk by chunk on their tiers instead. Tables
+        # whose init_fn fills rows by their place in the table are filled shard by shard at
+        # their offsets (TorchRec hands init_fn a rank's rows without them).
         tiered = set(self._tiered_table_names())
+        addressed = [
+            c
+            for c in self._configs()
+            if c.name not in tiered and isinstance(c.init_fn, RowAddressedInit)
+        ]
+        skipped = tiered | {c.name for c in addressed}
         saved = self._configs()
-        setattr(self, self._configs_attr, [c for c in saved if c.name not in tiered])
+        setattr(self, self._configs_attr, [c for c in saved if c.name not in skipped])
         try:
             super().reset_parameters()  # type: ignore[misc]
         finally:
             setattr(self, self._configs_attr, saved)
+        for config in addressed:
+            self._fill_by_offsets(config.name, config.init_fn)
         self._reset_tiered_parameters()
+
+    @torch.no_grad()
+    def _fill_by_offsets(self, table: str, init_fn: RowAddressedInit) -> None:
+        """Fills this rank's shards of a table on TorchRec's kernels, each at its offsets."""
+        tensor = self._model_parallel_name_to_sharded_tensor.get(table)
+        if isinstance(tensor, ShardedTensor):
+            for shard in tensor.local_shards():
+                row, col = [*shard.metadata.shard_offsets, 0, 0][:2]
+                init_fn.fill(shard.tensor, int(row), int(col))
+        elif isinstance(tensor, torch.Tensor):  # data-parallel: the whole table on every rank
+            init_fn.fill(tensor, 0, 0)
+
+    def _regrouped(self, sharding: Any) -> list[GroupedEmbeddingConfig]:
+        """This rank's table groups of ``sharding``, regrouped as for an all-FUSED plan when any
+        rank's groups hold a tiered table (see :mod:`~torchrec_mtrains.distributed.grouping`),
+        so the lookups, the input and the output distribution built from them put features and
+        output columns where TorchRec's FUSED model puts them."""
+        per_rank = getattr(sharding, "_grouped_embedding_configs_per_rank", [])
+        if any(has_tiered(configs) for configs in per_rank):
+            regroup_as_fused(sharding, [c.name for c in self._configs()])
+        return list(getattr(sharding, "_grouped_embedding_configs", []))
 
     def _tiered_table_names(self) -> list[str]:
         return [
@@ -583,53 +610,6 @@ def _sharding_type_of(sharding: Any) -> ShardingType | None:
     return ShardingType.ROW_WISE if isinstance(sharding, RwPooledEmbeddingSharding) else None
 
 
-def _has_tiered(configs: Sequence[GroupedEmbeddingConfig]) -> bool:
-    return any(c.compute_kernel == _CUSTOM for c in configs)
-
-
-# Fused params that configure a kernel's cache or streaming, not the tables' training.
-_KERNEL_ONLY_PARAMS = ("cache_precision", *DROPPED_FUSED_PARAMS)
-
-
-def _group_key(config: GroupedEmbeddingConfig) -> tuple[Any, ...]:
-    params = {k: v for k, v in (config.fused_params or {}).items() if k not in _KERNEL_ONLY_PARAMS}
-    return (
-        config.data_type,
-        config.pooling,
-        config.is_weighted,
-        config.has_feature_processor,
-        config.enable_embedding_update,
-        sorted(params.items(), key=lambda kv: kv[0]),
-    )
-
-
-def one_group_per_lookup(
-    configs: Sequence[GroupedEmbeddingConfig],
-) -> list[GroupedEmbeddingConfig]:
-    """The groups of a lookup with a tiered group, as one group for one tiered kernel when
-    every other group holds only FUSED tables trained alike (same data type, pooling,
-    weighting and optimizer): the kernel keeps those tables whole, as FUSED would, so the
-    lookup runs one fbgemm module and TorchRec concatenates no outputs. Tables keep their
-    order, so features and output columns are where TorchRec put them. Otherwise (a
-    UVM-caching table beside them, another optimizer) the groups are returned as they came."""
-    if not _has_tiered(configs) or len(configs) < 2:
-        return list(configs)
-    mergeable = all(
-        c.compute_kernel == _CUSTOM or all(is_resident(t) for t in c.embedding_tables)
-        for c in configs
-    )
-    if not mergeable or len({repr(_group_key(c)) for c in configs}) != 1:
-        return list(configs)
-    tiered = next(c for c in configs if c.compute_kernel == _CUSTOM)
-    return [
-        dataclasses.replace(
-            tiered,
-            embedding_tables=[t for c in configs for t in c.embedding_tables],
-            fused_params=dict(tiered.fused_params or {}),
-        )
-    ]
-
-
 class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingBagCollection):
     """ShardedEmbeddingBagCollection whose plan may place tables on storage tiers.
 
@@ -644,15 +624,15 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
-            configs = getattr(sharding, "_grouped_embedding_configs", [])
-            if not _has_tiered(configs):
+            configs = self._regrouped(sharding)
+            if not has_tiered(configs):
                 self._lookups.append(sharding.create_lookup())
                 continue
             self._lookups.append(
                 TieredGroupedPooledEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
-                    grouped_configs=one_group_per_lookup(configs),
+                    grouped_configs=configs,
                     pg=sharding._pg,
                     device=sharding._device,
                     sharding_type=_sharding_type_of(sharding),
@@ -670,14 +650,14 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
 
     def _create_lookups(self) -> None:
         for sharding in self._sharding_type_to_sharding.values():
-            configs = getattr(sharding, "_grouped_embedding_configs", [])
-            if not _has_tiered(configs):
+            configs = self._regrouped(sharding)
+            if not has_tiered(configs):
                 lookup = sharding.create_lookup()
             else:
                 lookup = TieredGroupedEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
-                    grouped_configs=one_group_per_lookup(configs),
+                    grouped_configs=configs,
                     pg=sharding._pg,
                     device=sharding._device,
                     env=sharding._env,
