@@ -30,6 +30,7 @@ from torchrec_mtrains.distributed.options import (
     tier_file_name,
 )
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
+from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
@@ -563,14 +564,19 @@ class TieredTableGroup:
         self, shard: TieredTableShard, init_fn: Callable[[torch.Tensor], Any], chunk_rows: int
     ) -> None:
         """Fills a table shard's weights chunk by chunk with ``init_fn`` and zeroes its
-        optimizer state, never holding more than ``chunk_rows`` rows in memory."""
+        optimizer state, never holding more than ``chunk_rows`` rows in memory. An ``init_fn``
+        that fills rows by their place in the table (:class:`RowAddressedInit`) is told where
+        each chunk lies, so the shard gets the rows any other placement would give it."""
         shard.cache.clear()
         layout = shard.store.layout
         for start in range(0, layout.num_rows, chunk_rows):
             count = min(chunk_rows, layout.num_rows - start)
             rows = torch.zeros(count, layout.row_width, dtype=torch.float32)
             weights = torch.empty(count, layout.dim, dtype=layout.dtype.torch_dtype)
-            init_fn(weights)
+            if isinstance(init_fn, RowAddressedInit):
+                init_fn.fill(weights, shard.row_offset + start, shard.col_offset)
+            else:
+                init_fn(weights)
             rows[:, : layout.dim] = weights.to(torch.float32)
             shard.store.write_range(start, rows.numpy())
         shard.store.flush()
