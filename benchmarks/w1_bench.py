@@ -99,6 +99,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.initializers import RowSeededUniform
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.planner import (
     PlannerConfig,
@@ -148,6 +149,7 @@ EXTRA_VARIANTS = ("B_plain", "ours_log")  # run only at --extra-budgets
 IO_PASS_BYTES = 4 << 20
 BLOCK_SIZE = 4096
 IO_RESERVE_BYTES = 160 << 20
+CHECK_STEPS = 20  # the first steps whose losses every variant must share with A, bit for bit
 
 
 # ---------------------------------------------------------------------------------- workload
@@ -184,6 +186,12 @@ class Workload:
         """Weights plus row-wise optimizer state of all tables, float32."""
         return sum(self.sizes) * self.row_bytes
 
+    def table_init(self, table: int, rows: int) -> RowSeededUniform:
+        """Table ``table``'s initial rows, uniform in ``[-sqrt(1/rows), sqrt(1/rows)]`` as
+        TorchRec's FUSED kernel draws them, but the same under every variant's placement."""
+        bound = math.sqrt(1.0 / rows)
+        return RowSeededUniform(seed=self.seed * 1000 + table, dim=self.dim, low=-bound, high=bound)
+
     def configs(self, sizes: Sequence[int] | None = None) -> list[EmbeddingBagConfig]:
         return [
             EmbeddingBagConfig(
@@ -191,6 +199,7 @@ class Workload:
                 embedding_dim=self.dim,
                 num_embeddings=n,
                 feature_names=[f"cat_{i}"],
+                init_fn=self.table_init(i, n),
             )
             for i, n in enumerate(sizes or self.sizes)
         ]
@@ -240,6 +249,9 @@ class WorkerSpec:
     max_warmup_s: float = 1e9
     fill_caches: bool = True  # ours warms up until its caches are full
     block_layout: str = "flat"
+    # A's first losses: every other variant must train to the same (see check_losses).
+    reference_losses: list[float] | None = None
+    check_only: bool = False  # A run for its first losses only (when A is not timed)
 
 
 # ------------------------------------------------------------------------------------ model
@@ -295,6 +307,7 @@ def _shard(
 ) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     configs = wl.configs(sizes)
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    torch.manual_seed(wl.seed)  # the dense part's weights: the same in every variant
     model = W1Model(ebc, wl.num_dense)
     if plan is None:
         plan = construct_module_sharding_plan(
@@ -351,22 +364,20 @@ B_MOMENTUM = "momentum1.f32"
 
 def init_mmap_files(wl: Workload, directory: Path) -> list[Path]:
     """Writes B's two files once, before any capped run: the weights of all tables back to back
-    in table order (the layout of the single fused TBE), each table uniform in
-    ``[-sqrt(1/rows), sqrt(1/rows)]`` as TorchRec's FUSED kernel initializes it, and the
-    row-wise momentum as zeros. Every byte is written (a fault on a hole of a sparse file
-    would read nothing from disk), then the files are evicted from the page cache."""
+    in table order (the layout of the single fused TBE), each table's rows as every variant
+    initializes them (:meth:`Workload.table_init`), and the row-wise momentum as zeros. Every
+    byte is written (a fault on a hole of a sparse file would read nothing from disk), then
+    the files are evicted from the page cache."""
     directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
     chunk = max(1, (64 << 20) // (wl.dim * 4))
     weights, momentum = directory / B_WEIGHTS, directory / B_MOMENTUM
     with open(weights, "wb") as f:
-        for rows in wl.sizes:
-            bound = math.sqrt(1.0 / rows)
+        for table, rows in enumerate(wl.sizes):
+            init = wl.table_init(table, rows)
             for start in range(0, rows, chunk):
-                block = rng.random((min(chunk, rows - start), wl.dim), dtype=np.float32)
-                block *= 2 * bound
-                block -= bound
-                f.write(block.tobytes())
+                block = torch.empty(min(chunk, rows - start), wl.dim)
+                init.fill(block, start)
+                f.write(block.numpy().tobytes())
     zeros = np.zeros(chunk * wl.dim, dtype=np.float32).tobytes()
     left = sum(wl.sizes) * STATE_WIDTH * 4
     with open(momentum, "wb") as f:
@@ -704,6 +715,24 @@ class BatchStream:
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
 
+class LossMismatch(RuntimeError):
+    """A variant trained to other losses than A from the same weights and batches: it does not
+    compute what A computes, so none of its figures is a result."""
+
+
+def check_losses(variant: str, losses: Sequence[float], reference: Sequence[float]) -> None:
+    """Raises :class:`LossMismatch` at the first of ``reference``'s steps whose loss differs.
+
+    Every variant starts from A's weights (the tables' :meth:`Workload.table_init`, the dense
+    part's seed) and trains on A's batches, so on the CPU its losses are A's to the last bit."""
+    for step, (got, want) in enumerate(zip(losses, reference)):
+        if got != want:
+            raise LossMismatch(
+                f"{variant}: step {step} loss {got!r}, A's {want!r} from the same weights and "
+                "batches: it trains another model than A; no figure of it is reported"
+            )
+
+
 def train_step(built: Built, batch: Batch) -> float:
     """One step of the plain loop (the fused tables update inside backward)."""
     built.dense_optimizer.zero_grad()
@@ -741,12 +770,22 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         result["plan"] = built.plan_text
         result.update(built.info)
         print(f"[{spec.variant}] built in {result['build_s']:.1f} s", flush=True)
+        if spec.check_only:
+            stream = BatchStream(wl, sizes)
+            result["first_losses"] = [train_step(built, stream[i]) for i in range(CHECK_STEPS)]
+            write_json(Path(spec.out), result)
+            return result
         if spec.cold_start and built.files:
             for m in built.mappings:
                 m.flush()
                 m.madvise(mmap.MADV_DONTNEED)  # unmap resident pages so fadvise can drop them
             result["cold_start_files"] = drop_file_cache(built.files)
-        measured, close = train(built, wl, steps, spec, sizes)
+        try:
+            measured, close = train(built, wl, steps, spec, sizes)
+        except LossMismatch as e:
+            result["loss_mismatch"] = str(e)
+            write_json(Path(spec.out), result)
+            raise
         result.update(measured)
         result["peak_rss_bytes"] = ProcessCounters.peak_rss_bytes()
         # Written before the final flush, which needs memory of its own (see close()).
@@ -802,6 +841,14 @@ def train(
 
     out: dict[str, Any] = {"steps": asdict(steps), "lookahead": spec.lookahead}
     losses: list[float] = []
+    reference = spec.reference_losses
+
+    def record(loss: float) -> None:
+        losses.append(loss)
+        if reference is not None and len(losses) == len(reference):
+            check_losses(spec.variant, losses, reference)
+            print(f"[{spec.variant}] first {len(losses)} losses are A's, bit for bit", flush=True)
+
     t0 = time.perf_counter()
     warm_before = tier_snapshot(groups)
     done = 0
@@ -812,10 +859,13 @@ def train(
 
     # Steady state: at least ``steps.warmup`` steps and, for ours, until every cache is full,
     # so that the timed steps evict (and write back) as many rows as they load.
-    while time.perf_counter() - t0 < spec.max_warmup_s and (
-        done < steps.warmup or (done % 10 != 0 or not caches_full())
+    # The check against A's losses ends within the warm-up: before any figure is printed.
+    unchecked = len(reference) if reference is not None else 0
+    while done < unchecked or (
+        time.perf_counter() - t0 < spec.max_warmup_s
+        and (done < steps.warmup or (done % 10 != 0 or not caches_full()))
     ):
-        losses.append(step(done))
+        record(step(done))
         done += 1
         if done % max(1, steps.warmup // 5) == 0:
             print(f"[{spec.variant}] warm-up {done}/{steps.warmup}", flush=True)
@@ -846,7 +896,7 @@ def train(
     for _ in range(steps.windows):
         w0 = time.perf_counter()
         for _ in range(steps.window_steps):
-            losses.append(step(i))
+            record(step(i))
             i += 1
         windows.append(time.perf_counter() - w0)
         print(
@@ -865,6 +915,7 @@ def train(
     io["major_faults_per_step"] = io["major_faults_s"] * io["seconds"] / max(1, timed_steps)
     out["io"] = io
     out["loss_first"], out["loss_last"] = losses[0], losses[-1]
+    out["first_losses"] = losses[:CHECK_STEPS]
     if groups:
         d = tier_delta(tiers_before, tier_snapshot(groups))
         out["tiers"] = d
@@ -921,6 +972,7 @@ class Runner:
     work: Path
     capped: bool
     reason: str = ""
+    reference_losses: list[float] | None = None  # A's first losses, once A has run
 
     def launch(
         self,
@@ -928,6 +980,7 @@ class Runner:
         budget: float | None = None,
         cap: int | None = None,
         steps: Steps | None = None,
+        check_only: bool = False,
     ) -> dict[str, Any]:
         tag = variant if budget is None else f"{variant}_{budget:g}"
         # Files are reused across budgets: ours' tier files (opened, or created once) and B's
@@ -955,6 +1008,8 @@ class Runner:
             ),
             fill_caches=not self.args.smoke,
             block_layout=self.args.block_layout,
+            reference_losses=None if variant in ("A", "probe") else self.reference_losses,
+            check_only=check_only,
         )
         spec_path = self.work / f"{tag}.spec.json"
         write_json(spec_path, asdict(spec))
@@ -984,6 +1039,8 @@ class Runner:
         record["returncode"] = done.returncode
         if out.exists():  # measured; a failure after that (the final flush) is noted
             record.update(json.loads(out.read_text()))
+            if "loss_mismatch" in record:
+                raise LossMismatch(record["loss_mismatch"])
             record["ok"] = True
             if done.returncode != 0:
                 record["failed_at_close"] = True
@@ -1577,8 +1634,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             # tables' pages settling, THP collapsing them): 100 steps reach its steady state.
             a_steps = Steps(min(steps.warmup, 100), steps.windows, steps.window_steps)
             results["A"] = runner.launch("A", steps=a_steps)
-        else:
-            results["A"] = {"ok": False}
+        else:  # not timed, but every variant is checked against its losses
+            results["A"] = {**runner.launch("A", check_only=True), "ok": False}
+        runner.reference_losses = results["A"].get("first_losses")
+        if not runner.reference_losses:
+            raise SystemExit("A did not run: no losses to check the other variants against")
         if "B" in variants or "B_plain" in variants:
             t0 = time.perf_counter()
             init_mmap_files(wl, work / "b_files")
@@ -1603,6 +1663,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             runs = [r for r in (results["fio"]["before"], after) if r]
             if runs:
                 results["fio"]["iops_mean"] = statistics.mean(r["iops"] for r in runs)
+    except LossMismatch as e:
+        raise SystemExit(f"W1 stopped: {e}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["machine"] = machine_info()

@@ -52,6 +52,7 @@ from _common import (
 REPO = Path(__file__).resolve().parents[1]
 STATE_WIDTH = 1  # row-wise Adagrad
 TARGET_RATIO = 3.0
+CHECK_STEPS = 20  # the first steps whose losses the tiered run must share with A's
 
 
 def table_bytes(model: dict[str, Any]) -> int:
@@ -119,6 +120,31 @@ def app_command(args: argparse.Namespace, run_dir: Path, profile: Path | None) -
     if args.smoke:
         overrides.append("planner.min_cache_rows=64")
     return [sys.executable, "-m", "apps.dlrm.train", *overrides, *args.override]
+
+
+def reference_command(args: argparse.Namespace, run_dir: Path, profile: Path | None) -> list[str]:
+    """A: the same run with every table on TorchRec's FUSED kernel in DRAM (a DRAM budget
+    larger than the tables), for its first losses only: no evaluation, no checkpoint."""
+    cmd = app_command(args, run_dir, profile)
+    return [
+        *cmd,
+        f"run.steps={min(CHECK_STEPS, args.steps)}",
+        "run.eval_batches=0",
+        "run.final_checkpoint=false",
+        "planner.dram_budget=1TiB",
+    ]
+
+
+def check_losses(ours: list[float], reference: list[float]) -> str | None:
+    """Why the tiered run is not what A trains (the first step whose loss differs), or None."""
+    if not reference:
+        return "A reported no losses"
+    for step, (got, want) in enumerate(zip(ours, reference)):
+        if got != want:
+            return f"step {step}: loss {got!r}, A's {want!r}"
+    if len(ours) < len(reference):
+        return f"the tiered run trained {len(ours)} steps, A {len(reference)}"
+    return None
 
 
 class AnonPeak:
@@ -249,6 +275,7 @@ def print_summary(result: dict[str, Any]) -> None:
         + (", OOM-killed" if app.get("oom_kills") else "")
     )
     if s["trained"]:
+        print(f"first {result['losses_checked']} losses are A's (every table FUSED), bit for bit")
         secs = s.get("seconds") or {}
         print(
             f"throughput {s['samples_per_s']:,.0f} samples/s over {s['steps']} steps, cache hit "
@@ -347,18 +374,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             profile = work / "profile.json"
             result["profile_s"] = time.perf_counter() - t0
             result["profile_command"] = " ".join(pcmd[1:])
+        # A first: every table FUSED in DRAM, uncapped, from the same seed and batches.
+        ref_cmd = reference_command(args, work / "reference", profile)
+        print("$ python " + " ".join(ref_cmd[1:]), flush=True)
+        ref = subprocess.run(ref_cmd, cwd=REPO, capture_output=True, text=True, check=False)
+        ref_metrics_path = work / "reference" / "metrics.json"
+        if ref.returncode != 0 or not ref_metrics_path.exists():
+            raise SystemExit(f"A (every table FUSED) failed:\n{(ref.stdout + ref.stderr)[-3000:]}")
+        ref_metrics = json.loads(ref_metrics_path.read_text())
+        result["reference"] = {
+            "command": " ".join(ref_cmd[1:]),
+            "first_losses": ref_metrics["train_losses_first"],
+            "plan": (work / "reference" / "plan.txt").read_text(),
+        }
+        shutil.rmtree(work / "reference", ignore_errors=True)
         cmd = app_command(args, run_dir, profile)
         result["command"] = " ".join(cmd[1:])
         print("$ python " + result["command"], flush=True)
         log = work / "app.log"
         result["app"] = run_capped(cmd, cap, log, capped, support)
         text = log.read_text(errors="replace")
-        print(text[-6000:], flush=True)
         metrics_path = run_dir / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
+        if metrics is not None:
+            mismatch = check_losses(
+                metrics["train_losses_first"], result["reference"]["first_losses"]
+            )
+            if mismatch is not None:
+                raise SystemExit(
+                    f"W2 stopped: the tiered run does not train what A trains from the same "
+                    f"weights and batches ({mismatch}); no figure of it is reported"
+                )
+            result["losses_checked"] = len(result["reference"]["first_losses"])
         result["metrics"] = metrics
         plan = run_dir / "plan.txt"
         result["plan"] = plan.read_text() if plan.exists() else None
+        print(text[-6000:], flush=True)  # its figures, once its losses are checked
         if result["app"]["returncode"] != 0:
             result["app"]["log_tail"] = text[-3000:]
     finally:

@@ -4,6 +4,7 @@ storage the plan's tiered tables use, and the optimizers."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
+from torchrec_mtrains.initializers import RowSeededUniform
 from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
 from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device, store_options
 from torchrec_mtrains.profiler import AccessProfile
@@ -137,9 +139,18 @@ def build_model(
     refuse the plan belong there, so a refused run leaves no tier file behind."""
     sizes = check_model_config(cfg)
     dim = int(cfg.model.embedding_dim)
+    seed = int(cfg.run.seed)
+    # Each row's initial values depend on the seed and the row alone (RowSeededUniform), not
+    # on the plan: runs of one model under other plans, budgets or world sizes start alike.
     tables = [
         EmbeddingBagConfig(
-            name=f"t_cat_{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"cat_{i}"]
+            name=f"t_cat_{i}",
+            embedding_dim=dim,
+            num_embeddings=n,
+            feature_names=[f"cat_{i}"],
+            init_fn=RowSeededUniform(
+                seed=seed * 1000 + i, dim=dim, low=-math.sqrt(1.0 / n), high=math.sqrt(1.0 / n)
+            ),
         )
         for i, n in enumerate(sizes)
     ]

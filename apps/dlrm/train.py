@@ -96,6 +96,9 @@ logger: logging.Logger = logging.getLogger("apps.dlrm.train")
 _T = TypeVar("_T")
 
 
+FIRST_LOSSES = 20  # per-step losses metrics.json keeps, to compare runs by
+
+
 def compute_device(cfg: DictConfig) -> torch.device:
     """``run.device`` (auto / cpu / cuda) as this rank's device: ``cuda:<LOCAL_RANK>`` on GPUs."""
     try:
@@ -730,6 +733,9 @@ def _train(
         "samples_per_s": float(all_samples) / elapsed if elapsed > 0 else 0.0,
         "seconds": phases,
         "train_loss_last": losses[-1] if losses else None,
+        # This rank's first losses of this run, exact: two plans of one model (e.g. every
+        # table FUSED, and tiered) train to the same ones from the same start.
+        "train_losses_first": losses[:FIRST_LOSSES],
         "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
         "eval_auc": result.auc if result else None,
         "eval_ne": result.ne if result else None,

@@ -70,6 +70,12 @@ def test_w1_smoke(tmp_path: Path) -> None:
         assert r["cap_skipped_reason"] and "memory cap skipped" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ours/A" in done.stdout and "A (FUSED, all DRAM, no cap)" in done.stdout
+    # Every variant trained what A trains: from A's weights, its first losses are A's.
+    first = r["A"]["first_losses"]
+    assert len(first) >= 10 and len(set(first)) > 1
+    for variant in ("B", "ours"):
+        assert pair[variant]["first_losses"][: len(first)] == first, variant
+        assert f"[{variant}] first {len(first)} losses are A's, bit for bit" in done.stdout
     assert not list(tmp_path.glob("w1_bench_*"))  # work files removed
     assert row["ours_blocks_per_step"] > 0  # the block I/O ours' steps needed
     # An earlier run's summary and plot are recomputed from its JSON alone.
@@ -77,6 +83,13 @@ def test_w1_smoke(tmp_path: Path) -> None:
     _run("w1_bench.py", "--render", str(out), "--out", str(again))
     assert json.loads(again.read_text())["summary"] == r["summary"]
     assert again.with_suffix(".png").exists()
+
+
+def test_w1_stops_at_a_variant_that_trains_another_model() -> None:
+    w1 = _load("w1_bench")
+    w1.check_losses("ours", [0.5, 0.25, 0.125], [0.5, 0.25, 0.125])
+    with pytest.raises(w1.LossMismatch, match=r"ours: step 1 loss 0\.3, A's 0\.25"):
+        w1.check_losses("ours", [0.5, 0.3, 0.125], [0.5, 0.25, 0.125])
 
 
 def test_w2_smoke(tmp_path: Path) -> None:
@@ -97,6 +110,18 @@ def test_w2_smoke(tmp_path: Path) -> None:
         assert "memory cap skipped" in done.stdout
     assert "W2 results" in done.stdout
     assert not list(tmp_path.glob("w2_bench_*"))  # run directory removed
+    # A (every table FUSED in DRAM) ran first; the tiered run trained its losses exactly.
+    ref = r["reference"]
+    assert "tiered" not in ref["plan"] and "tiered" in r["plan"]
+    assert m["train_losses_first"] == ref["first_losses"] and len(set(ref["first_losses"])) > 1
+    assert r["losses_checked"] == 6 and "first 6 losses are A's" in done.stdout
+
+
+def test_w2_check_names_the_first_step_that_differs() -> None:
+    w2 = _load("w2_bench")
+    assert w2.check_losses([0.5, 0.25], [0.5, 0.25]) is None
+    assert w2.check_losses([0.5, 0.3], [0.5, 0.25]) == "step 1: loss 0.3, A's 0.25"
+    assert "trained 1 steps, A 2" in w2.check_losses([0.5], [0.5, 0.25])
 
 
 def test_cgroup_support_explains_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
