@@ -33,7 +33,13 @@ from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.initializers import RowSeededUniform
 from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
-from torchrec_mtrains.planner.topology import detected_gpu, on_compute_device, store_options
+from torchrec_mtrains.planner.topology import (
+    detected_gpu,
+    format_size,
+    on_compute_device,
+    store_options,
+)
+from torchrec_mtrains.planner.types import BufferBudgetError
 from torchrec_mtrains.profiler import AccessProfile
 from torchrec_mtrains.tiers.base import OpenMode
 
@@ -202,6 +208,14 @@ def build_model(
             f"Raise planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) "
             "or planner.byte_scm_budget, pick a hardware preset with more memory, add ranks, "
             "or shrink model.num_embeddings_per_feature."
+        ) from None
+    except BufferBudgetError as e:
+        raise ConfigError(
+            f"planner: the block tier's I/O buffers ({format_size(e.held)} a rank: "
+            f"hardware.block_scm.max_pass_bytes={cfg.hardware.block_scm.max_pass_bytes}, two "
+            f"passes) leave no DRAM for tables ({format_size(e.dram)} a rank). Raise "
+            f"planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) or "
+            "lower hardware.block_scm.max_pass_bytes."
         ) from None
     except ValueError as e:  # the options' own checks
         raise ConfigError(f"planner: {e}") from None

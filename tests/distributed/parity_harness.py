@@ -315,8 +315,7 @@ def tier_storage(store: str, root: Path, **kwargs: Any) -> TierStorage:
     """Tier files under ``root``, the tier ``store`` serves kept by ``store`` (for
     ``log_block_scm``: the block tier in its log layout)."""
     placed = TIERS[store].serves_tier
-    options = {} if store == placed else {placed: resolve_options(store)}
-    return TierStorage(root=str(root), tier_options=options, **kwargs)
+    return TierStorage(root=str(root), tier_options={placed: resolve_options(store)}, **kwargs)
 
 
 def build_models(

@@ -93,7 +93,7 @@ def test_tables_of_every_tier_share_one_kernel(tmp_path: Path) -> None:
     assert shards.keys() == PLACEMENT.keys()
     for name, options in PLACEMENT.items():
         shard = shards[name]
-        assert shard.store.name == options.tier.value
+        assert shard.store.serves_tier == options.tier.value
         assert shard.cache.num_slots == options.cache_rows(shard.local_rows)
         assert shard.cache.policy.name == options.cache_policy
     (kernel,) = _kernels(model)  # "own" (FUSED) is computed by the tiered kernel too

@@ -13,9 +13,10 @@ from torchrec_mtrains.tiers import (
     ByteScmOptions,
     DramOptions,
     IOEngineKind,
+    LogBlockScmOptions,
     open_store,
 )
-from torchrec_mtrains.tiers.block_scm import BlockSCMStore
+from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
 from torchrec_mtrains.types import RowLayout, Tier
 
 
@@ -24,10 +25,14 @@ def test_a_mapping_of_options_becomes_the_tiers_typed_options(tmp_path: Path) ->
         root=str(tmp_path),
         tier_options={"block_scm": {"engine": "aio", "block_size": 8192, "queue_depth": 4}},
     )
-    expected = BlockScmOptions(block_size=8192, queue_depth=4, engine=IOEngineKind.AIO)
+    # The block tier's default layout is the log.
+    expected = LogBlockScmOptions(block_size=8192, queue_depth=4, engine=IOEngineKind.AIO)
     assert storage.tier_options == {"block_scm": expected}
     assert storage.options_for(Tier.BLOCK_SCM) == expected
+    flat = TierStorage(tier_options={"block_scm": {"layout": "flat", "queue_depth": 4}})
+    assert flat.options_for(Tier.BLOCK_SCM) == BlockScmOptions(queue_depth=4)
     # Tiers left out get their defaults, typed as well.
+    assert TierStorage().options_for(Tier.BLOCK_SCM) == LogBlockScmOptions()
     assert storage.options_for(Tier.BYTE_SCM) == ByteScmOptions()
     assert storage.options_for(Tier.DRAM) == DramOptions()
 
@@ -41,11 +46,13 @@ def test_typed_options_are_kept_as_given() -> None:
 def test_bad_options_fail_at_construction_naming_the_tier_and_key() -> None:
     with pytest.raises(
         ValueError,
-        match=r"tier 'block_scm': unknown option 'queue_dept'; allowed: block_size, queue_depth",
+        match=r"tier 'log_block_scm': unknown option 'queue_dept'; allowed: block_size, queue_dep",
     ):
         TierStorage(tier_options={"block_scm": {"queue_dept": 8}})
-    with pytest.raises(ValueError, match=r"tier 'block_scm' option 'queue_depth' must be >= 1"):
+    with pytest.raises(ValueError, match=r"tier 'log_block_scm' option 'queue_depth' must be >= 1"):
         TierStorage(tier_options={"block_scm": {"queue_depth": 0}})
+    with pytest.raises(ValueError, match=r"tier 'block_scm' option 'queue_depth' must be >= 1"):
+        TierStorage(tier_options={"block_scm": {"layout": "flat", "queue_depth": 0}})
     with pytest.raises(ValueError, match=r"tier 'byte_scm' takes ByteScmOptions, got Block"):
         TierStorage(tier_options={"byte_scm": BlockScmOptions()})
     with pytest.raises(ValueError, match="unknown tier 'tape'"):
@@ -63,7 +70,7 @@ def test_the_store_opened_from_the_storage_runs_with_its_options(tmp_path: Path)
         options=storage.options_for(Tier.BLOCK_SCM),
     )
     with store:
-        assert isinstance(store, BlockSCMStore)
+        assert isinstance(store, LogBlockSCMStore)
         assert store.queue_depth == 8 and store._engine.depth == 8
 
 

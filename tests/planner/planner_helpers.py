@@ -48,6 +48,7 @@ def small_host(
             write_latency_ns=20_000,
             read_iops=100_000,
             write_iops=50_000,
+            max_pass_bytes=256 << 10,  # a tiny host's I/O passes (2 of them are planned DRAM)
         ),
         compute=ComputeConfig(step_overhead_us=100, table_overhead_us=10, lookup_ns=20),
         cache_manager=CacheManagerConfig(

@@ -196,7 +196,7 @@ def test_store_options_carry_the_figures_the_perf_model_uses(name: str) -> None:
     options = store_options(host)
     assert host.block_scm is not None
     block = options["block_scm"]
-    assert isinstance(block, BlockScmOptions)
+    assert isinstance(block, LogBlockScmOptions)  # the block tier's default layout
     assert block.block_size == host.block_scm.block_size
     assert block.queue_depth == host.block_scm.queue_depth
     storage_tiers = [t for t in host.tiers() if t is not Tier.HBM]
@@ -208,7 +208,7 @@ def test_store_options_carry_the_figures_the_perf_model_uses(name: str) -> None:
 
 def test_store_options_follow_an_overridden_queue_depth() -> None:
     host = load_topology("local", ["hardware.block_scm.queue_depth=8"])
-    assert store_options(host)["block_scm"] == BlockScmOptions(block_size=4096, queue_depth=8)
+    assert store_options(host)["block_scm"] == LogBlockScmOptions(block_size=4096, queue_depth=8)
 
 
 def test_store_options_follow_the_block_tiers_config() -> None:
@@ -219,13 +219,13 @@ def test_store_options_follow_the_block_tiers_config() -> None:
     assert store_options(host) == {
         "dram": DramOptions(),
         "byte_scm": ByteScmOptions(),
-        "block_scm": BlockScmOptions(block_size=8192, queue_depth=8),
+        "block_scm": LogBlockScmOptions(block_size=8192, queue_depth=8, max_pass_bytes=256 << 10),
     }
 
 
 def test_without_a_block_tier_the_hosts_block_size_still_reaches_block_stores() -> None:
     host = dataclasses.replace(small_host(block_scm=None), block_size=16384)
-    assert store_options(host)["block_scm"] == BlockScmOptions(block_size=16384)
+    assert store_options(host)["block_scm"] == LogBlockScmOptions(block_size=16384)
 
 
 def test_the_block_tiers_block_size_wins_over_the_hosts_and_says_so(
@@ -236,19 +236,20 @@ def test_the_block_tiers_block_size_wins_over_the_hosts_and_says_so(
     host = dataclasses.replace(base, block_scm=dataclasses.replace(base.block_scm, block_size=8192))
     with caplog.at_level(logging.WARNING):
         options = store_options(host)
-    assert options["block_scm"] == BlockScmOptions(block_size=8192)
+    assert options["block_scm"] == LogBlockScmOptions(block_size=8192, max_pass_bytes=256 << 10)
     assert "block_scm.block_size=8192 differs from block_size=4096" in caplog.text
 
 
 def test_the_log_layout_writes_back_for_less_than_in_place_and_opens_log_stores() -> None:
     """260-byte rows written back in place cost a read-modify-write of their blocks; the log
-    appends them (plus compaction's copies, more the tighter the space bound)."""
-    base = small_host()
-    assert base.block_scm is not None
-    flat = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), base, cache_rows=1)
-    log_host = dataclasses.replace(
-        base, block_scm=dataclasses.replace(base.block_scm, layout="log")
+    (the default layout) appends them (plus compaction's copies, more the tighter the space
+    bound)."""
+    log_host = small_host()
+    assert log_host.block_scm is not None and log_host.block_scm.layout == "log"
+    flat_host = dataclasses.replace(
+        log_host, block_scm=dataclasses.replace(log_host.block_scm, layout="flat")
     )
+    flat = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), flat_host, cache_rows=1)
     log = shard_step_time(Placement.CACHED_BLOCK_SCM, _work(), log_host, cache_rows=1)
     assert 0 < log.tier_write < flat.tier_write / 4
     assert log.tier_read >= flat.tier_read  # rows spread over more blocks
@@ -262,10 +263,13 @@ def test_the_log_layout_writes_back_for_less_than_in_place_and_opens_log_stores(
     assert tighter.tier_write > log.tier_write
     options = store_options(dataclasses.replace(log_host, block_scm=tight))
     assert options["block_scm"] == LogBlockScmOptions(
-        block_size=tight.block_size, queue_depth=tight.queue_depth, max_space_amplification=1.2
+        block_size=tight.block_size,
+        queue_depth=tight.queue_depth,
+        max_space_amplification=1.2,
+        max_pass_bytes=tight.max_pass_bytes,
     )
-    loaded = load_topology("local", ["hardware.block_scm.layout=log"])
-    assert isinstance(store_options(loaded)["block_scm"], LogBlockScmOptions)
+    loaded = load_topology("local", ["hardware.block_scm.layout=flat"])
+    assert store_options(loaded)["block_scm"] == BlockScmOptions(queue_depth=128)
     with pytest.raises(ValueError, match="layout must be one of flat, log, got 'lsm'"):
         load_topology("local", ["hardware.block_scm.layout=lsm"])
 

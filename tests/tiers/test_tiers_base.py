@@ -63,7 +63,7 @@ def test_header_round_trip_and_mismatch_listing(tmp_path: Path) -> None:
     layout = RowLayout(10, 3, 1, StorageDType.FP16)
     header = FileHeader.for_layout("byte_scm", layout, 8192)
     raw = header.pack()
-    assert len(raw) == 8192
+    assert len(raw) == 4096  # its block; the file's zeros lie between it and the data
     assert FileHeader.unpack(raw, tmp_path / "f") == header
     other = FileHeader.for_layout("byte_scm", RowLayout(11, 3, 1, "fp32"), 8192)
     with pytest.raises(HeaderMismatchError, match=r"num_rows: file has 10, expected 11.*dtype"):

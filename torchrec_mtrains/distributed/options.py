@@ -39,7 +39,7 @@ from torchrec_mtrains.tiers import (
     RowStore,
     RowStoreError,
     TierOptions,
-    resolve_options,
+    placement_options,
     tier_class,
 )
 from torchrec_mtrains.tiers.base import FILE_SUFFIX, check_directory
@@ -167,11 +167,13 @@ class TierStorage:
             ``dirs`` names one.
         dirs: per-tier directory overrides, e.g. ``{"byte_scm": "/mnt/pmem0/run"}``.
         tier_options: per-tier store options, tier name -> that tier's
-            :class:`~torchrec_mtrains.tiers.TierOptions` (e.g. ``BlockScmOptions``), usually
+            :class:`~torchrec_mtrains.tiers.TierOptions` (e.g. ``LogBlockScmOptions``), usually
             :func:`~torchrec_mtrains.planner.topology.store_options` of the host topology. A
             mapping of option values is accepted too (``{"block_scm": {"queue_depth": 8}}``):
             it is checked key by key and replaced by the typed options, so an unknown tier,
-            option or value fails here, naming it. Tiers left out use their defaults.
+            option or value fails here, naming it. Tiers left out, and mappings naming no
+            ``layout``, get the tier's default layout (the block tier's is the log:
+            ``{"block_scm": {"layout": "flat"}}`` picks the flat file).
         open_mode: what to do with a table file that already exists: ``create`` (the default)
             refuses to overwrite it, ``open`` resumes from it, ``truncate`` replaces it.
         checkpoint_chunk_rows: rows per chunk when checkpoints read or write a tiered table,
@@ -191,7 +193,7 @@ class TierStorage:
         typed: dict[str, TierOptions] = {}
         for name, value in self.tier_options.items():
             tier = Tier.parse(name).value
-            typed[tier] = resolve_options(tier, value)
+            typed[tier] = placement_options(tier, value)
         object.__setattr__(self, "tier_options", typed)
         if self.checkpoint_chunk_rows <= 0:
             raise ValueError(
@@ -218,10 +220,10 @@ class TierStorage:
         return path
 
     def options_for(self, tier: Tier) -> TierOptions:
-        """The options ``tier``'s stores are opened with: those given, else the tier's
-        defaults. Their ``tier`` names the store that keeps the rows (for ``block_scm``,
-        ``log_block_scm`` when the block tier's layout is the log)."""
-        return resolve_options(tier.value, self.tier_options.get(tier.value))
+        """The options ``tier``'s stores are opened with: those given, else the defaults of the
+        tier's default layout. Their ``tier`` names the store that keeps the rows (for
+        ``block_scm``: ``log_block_scm``, or ``block_scm`` in the flat layout)."""
+        return placement_options(tier.value, self.tier_options.get(tier.value))
 
     def store_for(self, tier: Tier) -> type[RowStore]:
         """The store class that keeps ``tier``'s rows on this host (its file layout)."""

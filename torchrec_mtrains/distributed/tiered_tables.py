@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +31,17 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
 from torchrec_mtrains.initializers import RowAddressedInit
+from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
+from torchrec_mtrains.tiers._linux import release_freed_memory
 from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 FLUSH_CHUNK_ROWS = 16384  # rows per call when flush() or a reload moves a whole cache
+# Rows a table's initialization fills at once: its chunks (a few copies of them live at once)
+# are memory the plan does not hold for the table, so they stay small.
+INIT_CHUNK_BYTES = 4 << 20
 
 
 class TableIdError(IndexError):
@@ -88,6 +93,31 @@ class TieredTableShard:
 
 
 @dataclass
+class ResidentTable:
+    """A table shard the kernel keeps whole (TorchRec's FUSED placement), whose changed rows
+    incremental checkpoints save.
+
+    Attributes:
+        name: the table's name.
+        features: indices of its features in the kernel's input.
+        weights: its rows in the fbgemm module, ``(rows, cols)``.
+        states: its optimizer states there, as fbgemm exposes them.
+        changed: which local rows training looked up since the last checkpoint (empty until
+            changes are tracked).
+    """
+
+    name: str
+    features: list[int]
+    weights: torch.Tensor
+    states: dict[str, torch.Tensor]
+    changed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+
+    @property
+    def rows(self) -> int:
+        return int(self.weights.shape[0])
+
+
+@dataclass
 class _PlannedBatch:
     """One batch on its way through the caches: its ids split by table, then (once planned)
     each table's unique ids' slots, and the work that plans it and moves its rows."""
@@ -130,6 +160,8 @@ class TieredTableGroup:
         feature_table_map: table index of each input feature, in feature order; -1 for a
             feature of a table outside the group (the kernel's resident tables), whose ids
             :meth:`remap` returns unchanged.
+        resident: the kernel's resident tables, whose changed rows :meth:`track_changes`
+            records too (their features are found by ``ResidentTable.features``).
         weight_slots: per table, the fused module's weight view (``split_embedding_weights()``).
         states: per table, the fused module's optimizer states (``get_optimizer_state()``).
         options: placement of each table (tier, cache size, policy), aligned with ``tables``.
@@ -146,9 +178,11 @@ class TieredTableGroup:
         options: list[TieredTableOptions],
         storage: TierStorage,
         rank: int,
+        resident: Sequence[ResidentTable] = (),
     ) -> None:
         self.storage = storage
         self.feature_table_map = feature_table_map
+        self.resident = list(resident)
         self.shards: list[TieredTableShard] = []
         for table, weight, state, placed in zip(tables, weight_slots, states, options):
             directory = storage.directory(placed.tier, rank)
@@ -191,6 +225,19 @@ class TieredTableGroup:
                     created=created,
                 )
             )
+        # One pool of I/O buffers for the group's block stores: its worker moves one table's
+        # rows at a time, so a pass's buffer in use and one idle serve every table.
+        pass_bytes = [
+            int(getattr(s.store.options, "max_pass_bytes", 0))
+            for s in self.shards
+            if hasattr(s.store, "use_buffers")
+        ]
+        if pass_bytes:
+            pool = BufferPool(keep_bytes=IDLE_PASSES * max(pass_bytes))
+            for shard in self.shards:
+                use_buffers = getattr(shard.store, "use_buffers", None)
+                if use_buffers is not None:
+                    use_buffers(pool)
         self.device = weight_slots[0].device if weight_slots else HOST
         self.io = TierIOWorker(self.device)
         self.views = TierViews(self.shards, storage.checkpoint_chunk_rows)
@@ -351,6 +398,9 @@ class TieredTableGroup:
             if self._changed is not None:
                 for changed, ids in zip(self._changed, batch.table_ids):
                     changed[ids] = True
+                for table in self.resident:
+                    for f in table.features:
+                        table.changed[batch.segments[f]] = True
         out_segments: list[torch.Tensor] = list(batch.segments)
         for plan, inverse, features in zip(batch.plans, batch.inverses, batch.per_table):
             slots = plan.slots[inverse]
@@ -504,13 +554,16 @@ class TieredTableGroup:
 
     def track_changes(self) -> None:
         """Starts recording which rows training changes (every row a training batch makes
-        resident), for checkpoints that write only those (see ``distributed.incremental``).
-        Costs one byte per row of this rank's shards, so it is off until asked for."""
+        resident, and every row of a resident table a training batch looks up), for
+        checkpoints that write only those (see ``distributed.incremental``). Costs one byte per
+        row of this rank's shards, so it is off until asked for."""
         if self._changed is None:
             self._changed = [
                 torch.zeros(shard.local_rows, dtype=torch.bool, device=HOST)
                 for shard in self.shards
             ]
+            for table in self.resident:
+                table.changed = torch.zeros(table.rows, dtype=torch.bool, device=HOST)
 
     def changed_rows(self, index: int) -> torch.Tensor | None:
         """Which local rows of shard ``index`` training changed since :meth:`clear_changes`, as
@@ -522,6 +575,8 @@ class TieredTableGroup:
         if self._changed is not None:
             for changed in self._changed:
                 changed.zero_()
+            for table in self.resident:
+                table.changed.zero_()
 
     @torch.no_grad()
     def reload_cached_states(self) -> None:
@@ -564,11 +619,13 @@ class TieredTableGroup:
         self, shard: TieredTableShard, init_fn: Callable[[torch.Tensor], Any], chunk_rows: int
     ) -> None:
         """Fills a table shard's weights chunk by chunk with ``init_fn`` and zeroes its
-        optimizer state, never holding more than ``chunk_rows`` rows in memory. An ``init_fn``
-        that fills rows by their place in the table (:class:`RowAddressedInit`) is told where
-        each chunk lies, so the shard gets the rows any other placement would give it."""
+        optimizer state, never holding more than ``chunk_rows`` rows, nor
+        :data:`INIT_CHUNK_BYTES` of them, in memory. An ``init_fn`` that fills rows by their
+        place in the table (:class:`RowAddressedInit`) is told where each chunk lies, so the
+        shard gets the rows any other placement would give it."""
         shard.cache.clear()
         layout = shard.store.layout
+        chunk_rows = max(1, min(chunk_rows, INIT_CHUNK_BYTES // (4 * layout.row_width)))
         for start in range(0, layout.num_rows, chunk_rows):
             count = min(chunk_rows, layout.num_rows - start)
             rows = torch.zeros(count, layout.row_width, dtype=torch.float32)
@@ -580,6 +637,7 @@ class TieredTableGroup:
             rows[:, : layout.dim] = weights.to(torch.float32)
             shard.store.write_range(start, rows.numpy())
         shard.store.flush()
+        release_freed_memory()  # the chunks' memory, kept by the C heap otherwise
 
     def pin_hot_rows(self, index: int, local_ids: torch.Tensor) -> None:
         """Loads the rows ``local_ids`` of shard ``index`` and keeps them resident for good

@@ -206,5 +206,12 @@ def summarize(
         ranks=ranks,
         capacity={t: context.capacity(t) for t in context.tiers()},
         step_time_s=max(r.step_ms for r in ranks) / 1e3,
-        notes=tuple(notes),
+        notes=tuple(notes) + _buffer_note(context),
     )
+
+
+def _buffer_note(context: PlanningContext) -> tuple[str, ...]:
+    held = context.io_buffer_bytes()
+    if not held:
+        return ()
+    return (f"{format_size(held)} of DRAM per rank held for the block tier's I/O buffers",)

@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from torchrec_mtrains.tiers import TIERS, BlockScmOptions, TierOptions, layouts_of
+from torchrec_mtrains.tiers import (
+    TIERS,
+    TierOptions,
+    default_layout,
+    layouts_of,
+    placement_options,
+)
+from torchrec_mtrains.tiers._blockio import PASS_BYTES
 from torchrec_mtrains.types import Tier
 
 if TYPE_CHECKING:
@@ -174,10 +181,14 @@ class BlockTierConfig(MemoryTierConfig):
             costs two I/Os). The block stores use it too (see :func:`store_options`).
         queue_depth: I/Os the tier keeps in flight per rank (the IOPS figures assume it); the
             block stores run at this depth (see :func:`store_options`).
-        layout: how rows lie in the files: ``flat`` (row ``i`` at ``i * row_bytes``, written
-            back in place: a read-modify-write of each block a row partly covers) or ``log``
-            (written back by appending whole blocks, compacted in the background; the
-            ``log_block_scm`` store).
+        max_pass_bytes: buffer memory of one I/O pass of a block store (larger batches are
+            moved in passes); a store holds at most two passes' buffers, which the planner
+            counts as host memory of every block-tier table shard.
+        layout: how rows lie in the files: ``log`` (the default: written back by appending
+            whole blocks, compacted as it goes; the ``log_block_scm`` store) or ``flat`` (row
+            ``i`` at ``i * row_bytes``, written back in place: a read-modify-write of each
+            block a row partly covers; no index in memory, for hosts that cannot spare 4 bytes
+            a row).
         max_space_amplification: ``log`` only: the files take at most this many times the
             rows' bytes (>= 1.1); compaction copies more the lower it is.
         cpu_ns_per_row: CPU the tier's I/O worker spends per row it reads or writes (issuing
@@ -191,7 +202,8 @@ class BlockTierConfig(MemoryTierConfig):
     write_iops: float = 1.0
     block_size: int = 4096
     queue_depth: int = 32
-    layout: str = "flat"
+    max_pass_bytes: int = PASS_BYTES
+    layout: str = default_layout(Tier.BLOCK_SCM.value)
     max_space_amplification: float = 2.0
     cpu_ns_per_row: float = 0.0
 
@@ -474,8 +486,8 @@ def store_options(host: HostTopology) -> dict[str, TierOptions]:
     ``hardware_fields`` copied from the tier's hardware config (for ``block_scm``: ``block_size``
     and ``queue_depth`` of :class:`BlockTierConfig`), so a store runs with exactly the figures
     the perf model costs its I/O with; other options keep their defaults. A host without a
-    block tier still gets ``block_scm`` options with its ``block_size`` (the size-rule planner
-    places tables on block SCM without a hardware model of it).
+    block tier still gets ``block_scm`` options (its default layout) with its ``block_size``
+    (the size-rule planner places tables on block SCM without a hardware model of it).
 
     Raises:
         ValueError: when a tier's hardware config lacks a field its options take from it, or
@@ -500,7 +512,9 @@ def store_options(host: HostTopology) -> dict[str, TierOptions]:
             {f: getattr(config, f) for f in options_type.hardware_fields}
         )
     if host.block_scm is None:
-        out[Tier.BLOCK_SCM.value] = BlockScmOptions(block_size=host.block_size)
+        out[Tier.BLOCK_SCM.value] = placement_options(
+            Tier.BLOCK_SCM.value, {"block_size": host.block_size}
+        )
     elif host.block_scm.block_size != host.block_size:
         logger.warning(
             "host %r: block_scm.block_size=%d differs from block_size=%d; the block stores use "

@@ -25,7 +25,10 @@ from torchrec_mtrains.cache.policies import POLICIES
 from torchrec_mtrains.planner.access import TableAccess
 from torchrec_mtrains.planner.perf_model import Placement, StepTime
 from torchrec_mtrains.planner.topology import HostTopology, format_size
+from torchrec_mtrains.tiers._blockio import IDLE_PASSES
 from torchrec_mtrains.types import Tier
+
+IO_BUFFER_PASSES = IDLE_PASSES + 1  # the block stores' buffers: one pass in use, the idle ones
 
 __all__ = [
     "PlacementError",
@@ -129,6 +132,24 @@ class PlannerConfig:
         return cls(**{str(k): v for k, v in node.items()})
 
 
+class BufferBudgetError(ValueError):
+    """The block tier's I/O buffers alone take all of a rank's DRAM for tables.
+
+    Attributes:
+        held: the buffers' bytes a rank (two passes of ``max_pass_bytes``).
+        dram: a rank's DRAM for tables and caches.
+    """
+
+    def __init__(self, held: int, dram: int) -> None:
+        self.held, self.dram = held, dram
+        super().__init__(
+            f"the block tier's I/O buffers ({format_size(held)} a rank: {IO_BUFFER_PASSES} "
+            f"passes of max_pass_bytes={held // IO_BUFFER_PASSES}) take all of a rank's DRAM "
+            f"for tables ({format_size(dram)}); lower the block tier's max_pass_bytes or raise "
+            "the DRAM budget"
+        )
+
+
 @dataclass
 class PlanningContext:
     """Everything the enumerator, estimator, proposer and partitioner share for one plan.
@@ -159,6 +180,10 @@ class PlanningContext:
                 f"local_world_size must be in [1, world_size={self.world_size}], got "
                 f"{self.local_world_size}"
             )
+        held = self.io_buffer_bytes()
+        dram = self.host.rank_capacity(Tier.DRAM, self.local_world_size)
+        if held and held >= dram:
+            raise BufferBudgetError(held, dram)
         if self.host.gpu is not None and self.local_world_size > self.host.gpu.count:
             raise ValueError(
                 f"host {self.host.name!r} has {self.host.gpu.count} GPUs; cannot run "
@@ -175,8 +200,21 @@ class PlanningContext:
         return -(-self.world_size // self.local_world_size)
 
     def capacity(self, tier: Tier) -> int:
-        """Bytes of ``tier`` each rank may use."""
-        return self.host.rank_capacity(tier, self.local_world_size)
+        """Bytes of ``tier`` each rank may use for tables and caches: on DRAM, less the I/O
+        buffers of the rank's block stores (:meth:`io_buffer_bytes`)."""
+        capacity = self.host.rank_capacity(tier, self.local_world_size)
+        if tier is Tier.DRAM:
+            capacity -= self.io_buffer_bytes()
+        return capacity
+
+    def io_buffer_bytes(self) -> int:
+        """DRAM a rank's block stores take for I/O buffers: the tier worker moves one table's
+        rows at a time through a pool its stores share, holding one pass's buffer in use and
+        one idle (``max_pass_bytes`` each). None without a block tier."""
+        block = self.host.block_scm
+        if block is None:
+            return 0
+        return IO_BUFFER_PASSES * block.max_pass_bytes
 
     def tiers(self) -> tuple[Tier, ...]:
         return self.host.tiers()

@@ -2,8 +2,9 @@
 
 Importing this package registers the built-in stores: ``dram``, ``byte_scm``, ``block_scm``
 and ``log_block_scm``. A store serves one placement tier (:class:`torchrec_mtrains.types.Tier`)
-in one file layout: ``log_block_scm`` is the block tier's log-structured layout, chosen by the
-block tier's options (``LogBlockScmOptions``, or ``{"layout": "log"}``), never placed by name.
+in one file layout: ``log_block_scm`` is the block tier's log-structured layout, its default
+(:data:`DEFAULT_LAYOUTS`); the flat ``block_scm`` store is chosen by the block tier's options
+(``BlockScmOptions``, or ``{"layout": "flat"}``). Stores are never placed by name.
 A new tier is one new module defining a :class:`TierOptions` dataclass and a :class:`RowStore`
 subclass naming it as ``options_type``, decorated with :func:`register_tier`.
 """
@@ -16,6 +17,7 @@ from torchrec_mtrains.tiers import (  # noqa: F401  (registers the stores)
 )
 from torchrec_mtrains.tiers._blockio import IOEngineKind
 from torchrec_mtrains.tiers.base import (
+    DEFAULT_LAYOUTS,
     TIERS,
     FileHeader,
     HeaderMismatchError,
@@ -24,8 +26,10 @@ from torchrec_mtrains.tiers.base import (
     RowStoreError,
     TierOptions,
     TierStats,
+    default_layout,
     layouts_of,
     open_store,
+    placement_options,
     register_tier,
     resolve_options,
     tier_class,
@@ -36,6 +40,7 @@ from torchrec_mtrains.tiers.dram import DramOptions
 from torchrec_mtrains.tiers.log_block_scm import LogBlockScmOptions
 
 __all__ = [
+    "DEFAULT_LAYOUTS",
     "TIERS",
     "BlockScmOptions",
     "ByteScmOptions",
@@ -49,8 +54,10 @@ __all__ = [
     "RowStoreError",
     "TierOptions",
     "TierStats",
+    "default_layout",
     "layouts_of",
     "open_store",
+    "placement_options",
     "register_tier",
     "resolve_options",
     "tier_class",

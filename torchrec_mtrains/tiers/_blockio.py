@@ -74,6 +74,14 @@ class AlignedBuffer:
         self.address: int = self.array.ctypes.data
 
 
+PASS_BYTES = 4 << 20
+"""Default buffer memory of one I/O pass of a block store (``max_pass_bytes``): 1,024 blocks of 4
+KiB, far more than the queue keeps in flight. A store keeps one pass's buffer idle between
+calls, so it holds at most two passes of buffers; the planner counts them as host memory."""
+
+IDLE_PASSES = 1  # buffers a store keeps idle between calls, in passes
+
+
 class BufferPool:
     """Reuses aligned buffers across calls: faulting in fresh pages for every batch would cost
     about as much as the gather itself. Keeps at most ``keep_bytes`` of idle buffers."""

@@ -105,7 +105,10 @@ class FileHeader:
         )
 
     def pack(self) -> bytes:
-        """Serializes the header, padded with zeros to ``data_offset`` bytes."""
+        """Serializes the header, padded with zeros to its block (4 KiB, or ``data_offset``
+        if less). The bytes between it and ``data_offset`` are not part of it: a new file
+        holds zeros there, and a padded copy would be as large as a log's index slots
+        (160 MB for 10M rows), all in memory at once."""
         tier = self.tier.encode()
         if len(tier) > 16:
             raise ValueError(f"tier name {self.tier!r} longer than 16 bytes")
@@ -121,7 +124,7 @@ class FileHeader:
             self.data_offset,
         )
         raw = body + _CRC.pack(zlib.crc32(body))
-        return raw + b"\0" * (self.data_offset - len(raw))
+        return raw + b"\0" * (min(self.data_offset, DATA_OFFSET) - len(raw))
 
     @classmethod
     def unpack(cls, raw: bytes, path: Path) -> FileHeader:
@@ -803,6 +806,30 @@ LAYOUT_KEY = "layout"
 def layouts_of(tier: str) -> dict[str, type[RowStore]]:
     """The registered stores that keep ``tier``'s rows, by file layout (``flat``, ``log``)."""
     return {cls.file_layout: cls for cls in TIERS.values() if cls.serves_tier == tier}
+
+
+DEFAULT_LAYOUTS: Mapping[str, str] = {"block_scm": "log"}
+"""The file layout a table placed on a tier gets when its options name none; ``flat`` for a
+tier not listed. The block tier appends write-backs to a log: a flat file's in-place
+write-back is a read-modify-write of every block a row touches, several times the I/O."""
+
+
+def default_layout(tier: str) -> str:
+    """The file layout of a table placed on ``tier`` when its options name none."""
+    return DEFAULT_LAYOUTS.get(tier, "flat")
+
+
+def placement_options(
+    tier: str, options: TierOptions | Mapping[str, Any] | None = None
+) -> TierOptions:
+    """The options a table placed on ``tier`` opens its store with: as :func:`resolve_options`,
+    except that options naming no layout (``None``, or a mapping without ``layout``) get the
+    tier's :func:`default_layout`. Typed options name their store, so they are kept."""
+    if isinstance(options, TierOptions):
+        return resolve_options(tier, options)
+    values = dict(options or {})
+    values.setdefault(LAYOUT_KEY, default_layout(tier_class(tier).serves_tier))
+    return resolve_options(tier, values)
 
 
 def resolve_options(

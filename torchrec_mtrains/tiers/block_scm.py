@@ -24,6 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
+    IDLE_PASSES,
+    PASS_BYTES,
     AlignedBuffer,
     BufferPool,
     I64Array,
@@ -82,14 +84,14 @@ class BlockScmOptions(TierOptions):
     """
 
     tier: ClassVar[str] = "block_scm"
-    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth")
+    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth", "max_pass_bytes")
 
     block_size: int = 4096
     queue_depth: int = 32
     direct: bool = True
     engine: IOEngineKind = IOEngineKind.AUTO
     max_io_bytes: int = 1 << 20
-    max_pass_bytes: int = 64 << 20
+    max_pass_bytes: int = PASS_BYTES
 
     def validate(self) -> None:
         bs = self.block_size
@@ -163,12 +165,17 @@ class BlockSCMStore(RowStore):
             os.close(self._fd)
             raise
         self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
-        self._buffers = BufferPool()
+        self._buffers = BufferPool(keep_bytes=IDLE_PASSES * opts.max_pass_bytes)
 
     # ------------------------------------------------------------------------------ opening
 
     def _file_bytes(self, data_offset: int) -> int:
         return data_offset + _rows_region_bytes(self.layout, self.block_size)
+
+    def use_buffers(self, pool: BufferPool) -> None:
+        """Takes I/O buffers from ``pool``, shared with the other stores of one tier worker,
+        which moves one table's rows at a time: one pass's buffer serves them all."""
+        self._buffers = pool
 
     @classmethod
     def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:

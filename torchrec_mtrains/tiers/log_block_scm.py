@@ -57,6 +57,8 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
+    IDLE_PASSES,
+    PASS_BYTES,
     AlignedBuffer,
     BufferPool,
     I64Array,
@@ -133,6 +135,7 @@ class LogBlockScmOptions(TierOptions):
     hardware_fields: ClassVar[tuple[str, ...]] = (
         "block_size",
         "queue_depth",
+        "max_pass_bytes",
         "max_space_amplification",
     )
 
@@ -141,7 +144,7 @@ class LogBlockScmOptions(TierOptions):
     direct: bool = True
     engine: IOEngineKind = IOEngineKind.AUTO
     max_io_bytes: int = 256 << 10
-    max_pass_bytes: int = 64 << 20
+    max_pass_bytes: int = PASS_BYTES
     segment_bytes: int = 4 << 20
     max_space_amplification: float = 2.0
 
@@ -181,6 +184,17 @@ def index_bytes_per_row(num_rows: int, max_space_amplification: float) -> int:
     per-row state it keeps (which row a slot holds is found by scanning that map)."""
     slots = math.ceil(max_space_amplification * num_rows) + 1
     return int(np.dtype(index_dtype(slots)).itemsize)
+
+
+@dataclass(frozen=True)
+class ScanBatch:
+    """Consecutive segments of a log file read in one sequential pass, the live rows they
+    hold, and the store version they were counted at (a write since makes them stale)."""
+
+    first_segment: int
+    segments: int
+    rows: int
+    version: int
 
 
 @dataclass(frozen=True)
@@ -356,7 +370,7 @@ class LogBlockSCMStore(RowStore):
         self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
         # Idle buffers for a read's and an append's pass; larger ones (a checkpoint of the
         # index is 8 bytes a row) are not pooled.
-        self._buffers = BufferPool(keep_bytes=2 * opts.max_pass_bytes)
+        self._buffers = BufferPool(keep_bytes=IDLE_PASSES * opts.max_pass_bytes)
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
@@ -386,6 +400,11 @@ class LogBlockSCMStore(RowStore):
     def live_rows(self) -> int:
         """Rows written at least once (the others read as zeros and take no space)."""
         return int(self._live.sum())
+
+    def use_buffers(self, pool: BufferPool) -> None:
+        """Takes I/O buffers from ``pool``, shared with the other stores of one tier worker,
+        which moves one table's rows at a time: one pass's buffer serves them all."""
+        self._buffers = pool
 
     @classmethod
     def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
@@ -458,23 +477,75 @@ class LogBlockSCMStore(RowStore):
                 size,
             )
 
-    def _scan_rows(self) -> Iterator[tuple[I64Array, U8Array]]:
-        """The live rows of the log, in runs of at most ``max_pass_bytes`` of consecutive
-        segments read sequentially: ids and raw rows (``(count, row_bytes)`` bytes)."""
-        geo = self.geometry
-        ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
+    def scan_batches(self) -> list[ScanBatch]:
+        """The live rows of the log as runs of consecutive segments of at most
+        ``max_pass_bytes``, each read in one sequential pass (:meth:`read_scan_batch`): how a
+        checkpoint streams the table, in the log's order, without reading a row at random."""
+        sb = self.geometry.segment_bytes
         holding = np.flatnonzero(self._live > 0)
         run = max(1, self.options.max_pass_bytes // sb)
         breaks = np.flatnonzero(np.diff(holding) != 1) + 1
+        out = []
         for group in np.split(holding, breaks):
             for first in range(0, group.size, run):
                 segs = group[first : first + run]
-                s0, count = int(segs[0]), int(segs.size)
-                region = self._read_region(geo.data_offset + s0 * sb, count * sb)
-                owners, slots = self._rows_between(s0 * ss, (s0 + count) * ss)
-                # (segment, slot, byte) view of the run: no per-byte index to build.
-                packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
-                yield owners, packed[slots // ss - s0, slots % ss]
+                rows = int(self._live[segs].sum())
+                out.append(ScanBatch(int(segs[0]), int(segs.size), rows, self.version))
+        return out
+
+    def read_scan_batch(self, batch: ScanBatch) -> tuple[I64Array, npt.NDArray[Any]]:
+        """The ids and rows (``(rows, row_width)`` in storage dtype) of one of
+        :meth:`scan_batches`, in slot order.
+
+        Raises:
+            RowStoreError: when the table was written since the batches were listed (they no
+                longer describe it), naming the file.
+        """
+        dtype = self.layout.dtype.numpy_dtype
+        with self._write_lock, self._gate.reading():
+            self._check_scan(batch)
+            owners, raw = self._read_segments(batch.first_segment, batch.segments)
+        if owners.size != batch.rows:
+            raise RowStoreError(
+                f"{self.path}: segments {batch.first_segment}..+{batch.segments} hold "
+                f"{owners.size} rows, the segment table says {batch.rows}"
+            )
+        return owners, raw.view(dtype).reshape(owners.size, -1)
+
+    def scan_batch_ids(self, batch: ScanBatch) -> I64Array:
+        """The ids of one of :meth:`scan_batches`, in the order :meth:`read_scan_batch` gives
+        its rows, from the index alone (no data is read)."""
+        ss = self.geometry.segment_slots
+        with self._write_lock:
+            self._check_scan(batch)
+            owners, _ = self._rows_between(
+                batch.first_segment * ss, (batch.first_segment + batch.segments) * ss
+            )
+        return owners
+
+    def _check_scan(self, batch: ScanBatch) -> None:
+        if self.version != batch.version:
+            raise RowStoreError(
+                f"{self.path}: written since its scan was planned (version {batch.version}, "
+                f"now {self.version}); nothing may write a table while it is saved"
+            )
+
+    def _read_segments(self, first: int, count: int) -> tuple[I64Array, U8Array]:
+        """The rows whose newest copy lies in segments ``first ..+count``, read in one
+        sequential pass: ids and raw rows (``(rows, row_bytes)`` bytes), in slot order."""
+        geo = self.geometry
+        ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
+        region = self._read_region(geo.data_offset + first * sb, count * sb)
+        owners, slots = self._rows_between(first * ss, (first + count) * ss)
+        # (segment, slot, byte) view of the run: no per-byte index to build.
+        packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
+        return owners, packed[slots // ss - first, slots % ss]
+
+    def _scan_rows(self) -> Iterator[tuple[I64Array, U8Array]]:
+        """Every live row of the log, batch by batch (:meth:`scan_batches`): ids and raw rows
+        (``(count, row_bytes)`` bytes)."""
+        for batch in self.scan_batches():
+            yield self._read_segments(batch.first_segment, batch.segments)
 
     def _spill_by_id_range(self, directory: Path, range_rows: int) -> dict[int, tuple[Path, Path]]:
         """Appends every live row to the files of its id range (``range_rows`` ids each) in
@@ -521,8 +592,10 @@ class LogBlockSCMStore(RowStore):
         ss = self.geometry.segment_slots
         self._loc = ckpt.loc.astype(index_dtype(max(segments, self.capacity) * ss), copy=False)
         self._generation = ckpt.generation
-        used = self._loc[self._loc >= 0]
-        self._live = np.bincount(used // ss, minlength=segments).astype(np.int64)
+        self._live = np.zeros(segments, dtype=np.int64)
+        for start in range(0, self._loc.size, _SCAN_CHUNK):  # bounds the scratch memory
+            piece = self._loc[start : start + _SCAN_CHUNK]
+            self._live += np.bincount(piece[piece >= 0] // ss, minlength=segments)
         self._state = np.where(self._live > 0, _USED, _FREE).astype(np.int8)
         self._pinned = self._live > 0
         self._head = ckpt.head_segment
@@ -540,15 +613,19 @@ class LogBlockSCMStore(RowStore):
 
     def _load_checkpoint(self, segments: int) -> _Checkpoint | None:
         """The newest checkpoint whose CRC holds; ``None`` when none was ever completed. (The
-        older slot may point at segments truncated since: only the newest is checked.)"""
+        older slot may point at segments truncated since: only the newest is checked.) Slots
+        are read a pass at a time into the row -> slot map, never whole."""
         geo = self.geometry
-        raw = [self._read_region(geo.checkpoint_offset(i), geo.checkpoint_bytes) for i in (0, 1)]
-        found = [c for c in map(self._parse_checkpoint, raw) if c is not None]
-        if found:
-            newest = max(found, key=lambda c: c.generation)
-            self._check_index(newest, segments)
-            return newest
-        if self._never_checkpointed(raw):
+        heads = [self._read_region(geo.checkpoint_offset(i), self.block_size) for i in (0, 1)]
+        order = sorted(
+            (i for i in (0, 1) if self._header_of(heads[i]) is not None),
+            key=lambda i: -self._header_of(heads[i])[1],  # type: ignore[index]
+        )
+        for i in order:
+            ckpt = self._read_checkpoint(i, segments)
+            if ckpt is not None:
+                return ckpt
+        if self._never_checkpointed(heads):
             return None
         raise RowStoreError(
             f"{self.path}: corrupt index: neither checkpoint slot passes its checksum; the "
@@ -565,25 +642,57 @@ class LogBlockSCMStore(RowStore):
         torn = [h for h in headers if any(h)]
         return len(torn) == 1 and torn[0][:8] == CKPT_MAGIC and _CKPT.unpack(torn[0])[1] == 1
 
-    def _parse_checkpoint(self, raw: U8Array) -> _Checkpoint | None:
+    @staticmethod
+    def _header_of(raw: U8Array) -> tuple[Any, ...] | None:
+        fields = _CKPT.unpack(bytes(raw[: _CKPT.size]))
+        return fields if fields[0] == CKPT_MAGIC else None
+
+    def _read_checkpoint(self, index: int, segments: int) -> _Checkpoint | None:
+        """Slot ``index`` as a checkpoint, ``None`` when its checksum fails. Raises when it
+        holds and describes another file, or points outside ``segments``."""
         geo, n = self.geometry, self.layout.num_rows
-        header = bytes(raw[: _CKPT.size])
-        magic, gen, bs, seg_blocks, _, head, head_slot, num_rows, row_bytes = _CKPT.unpack(header)
-        if magic != CKPT_MAGIC:
-            return None
-        index = raw[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
-        (crc,) = _CRC.unpack_from(raw.data, _CKPT.size)
-        if zlib.crc32(index.data, zlib.crc32(header)) != crc:
+        offset = geo.checkpoint_offset(index)
+        head = self._read_region(offset, self.block_size)
+        fields = self._header_of(head)
+        assert fields is not None
+        _, gen, bs, seg_blocks, _, head_seg, head_slot, num_rows, row_bytes = fields
+        if (num_rows, row_bytes) != (n, geo.row_bytes):
+            if not self._crc_holds(offset, head, num_rows):
+                return None
+            raise RowStoreError(
+                f"{self.path}: corrupt index: a checkpoint for {num_rows} rows of {row_bytes} "
+                f"bytes in a file whose header says {n} rows of {geo.row_bytes} bytes"
+            )
+        limit = segments * geo.segment_slots
+        loc = np.empty(n, dtype=index_dtype(max(segments, self.capacity) * geo.segment_slots))
+        (expected,) = _CRC.unpack_from(head.data, _CKPT.size)
+        crc = zlib.crc32(bytes(head[: _CKPT.size]))
+        taken = np.zeros(limit, dtype=np.bool_)  # which slots a row points at: none twice
+        bad = False
+        for start, end in self._slot_pieces():
+            piece = self._read_region(offset + start, end - start)
+            first = max(start, CKPT_HEADER_BYTES)
+            last = min(end, CKPT_HEADER_BYTES + 8 * n)
+            if first >= last:
+                continue
+            raw = piece[first - start : last - start]
+            crc = zlib.crc32(raw.data, crc)
+            values = raw.view("<i8")
+            rows = slice((first - CKPT_HEADER_BYTES) // 8, (last - CKPT_HEADER_BYTES) // 8)
+            used = values[values >= 0]
+            if (values < -1).any() or (used >= limit).any():
+                bad = True
+                continue
+            if taken[used].any() or np.unique(used).size != used.size:
+                bad = True
+            taken[used] = True
+            loc[rows] = values
+        if crc != expected:
             return None
         if bs != geo.block_size:
             raise HeaderMismatchError(
                 f"{self.path}: the file was made with block_size={bs}; tier 'log_block_scm' "
                 f"option 'block_size' is {geo.block_size} (use the file's)"
-            )
-        if (num_rows, row_bytes) != (n, geo.row_bytes):
-            raise RowStoreError(
-                f"{self.path}: corrupt index: a checkpoint for {num_rows} rows of {row_bytes} "
-                f"bytes in a file whose header says {n} rows of {geo.row_bytes} bytes"
             )
         if seg_blocks != geo.segment_blocks:
             raise HeaderMismatchError(
@@ -591,24 +700,26 @@ class LogBlockSCMStore(RowStore):
                 f"'log_block_scm' option 'segment_bytes'={self.options.segment_bytes} gives "
                 f"{geo.segment_bytes} for this table (use the file's)"
             )
-        return _Checkpoint(gen, head, head_slot, index.view("<i8").astype(np.int64))
-
-    def _check_index(self, ckpt: _Checkpoint, segments: int) -> None:
-        loc, head, head_slot = ckpt.loc, ckpt.head_segment, ckpt.head_slot
-        used = loc[loc >= 0]
-        limit = segments * self.geometry.segment_slots
-        bad = (
-            (loc < -1).any()
-            or (used >= limit).any()
-            or np.unique(used).size != used.size
-            or not -1 <= head < segments
-            or not 0 <= head_slot <= self.geometry.segment_slots
-        )
-        if bad:
+        if bad or not -1 <= head_seg < segments or not 0 <= head_slot <= geo.segment_slots:
             raise RowStoreError(
                 f"{self.path}: corrupt index: a checkpoint with a valid checksum points outside "
                 f"the file's {segments} segments or twice at one slot"
             )
+        return _Checkpoint(gen, head_seg, head_slot, loc)
+
+    def _crc_holds(self, offset: int, head: U8Array, num_rows: int) -> bool:
+        """Whether a slot whose header names ``num_rows`` rows passes its checksum."""
+        (expected,) = _CRC.unpack_from(head.data, _CKPT.size)
+        crc = zlib.crc32(bytes(head[: _CKPT.size]))
+        size = CKPT_HEADER_BYTES + 8 * num_rows
+        step = self._max_pass_blocks * self.block_size
+        for start in range(0, size, step):
+            end = min(start + step, size)
+            nbytes = -(-end // self.block_size) * self.block_size - start
+            piece = self._read_region(offset + start, nbytes)
+            lo = max(start, CKPT_HEADER_BYTES)
+            crc = zlib.crc32(piece[lo - start : end - start].data, crc)
+        return crc == expected
 
     # ---------------------------------------------------------------------------- raw I/O
 
@@ -980,7 +1091,12 @@ class LogBlockSCMStore(RowStore):
 
     def _checkpoint(self) -> int:
         """Makes the data durable, then the index, into the older checkpoint slot; then
-        unpins what the previous checkpoint held and frees segments left empty."""
+        unpins what the previous checkpoint held and frees segments left empty.
+
+        The slot is written in pass-sized pieces, its first block (header and checksum) last:
+        an index of ``num_rows`` int64s (80 MB for 10M rows) is never built whole in memory,
+        and until the header lands the slot fails its checksum, so a kill meanwhile leaves the
+        other, newer slot in force."""
         geo, n = self.geometry, self.layout.num_rows
         self._seal_head()
         calls = self._sync()
@@ -989,16 +1105,26 @@ class LogBlockSCMStore(RowStore):
             CKPT_MAGIC, gen, geo.block_size, geo.segment_blocks, self.segments,
             self._head, self._head_slot, n, geo.row_bytes,
         )  # fmt: skip
-        buf = AlignedBuffer(geo.checkpoint_bytes)  # freed on return, not pooled
-        view = buf.array[: geo.checkpoint_bytes]
-        index = view[CKPT_HEADER_BYTES : CKPT_HEADER_BYTES + 8 * n]
-        index.view("<i8")[:] = self._loc  # int64 on disk whatever the map's width
-        crc = zlib.crc32(index.data, zlib.crc32(header))
-        view[: _CKPT.size] = np.frombuffer(header, np.uint8)
-        view[_CKPT.size : CKPT_HEADER_BYTES] = np.frombuffer(_CRC.pack(crc), np.uint8)
-        view[CKPT_HEADER_BYTES + 8 * n :] = 0
         offset = geo.checkpoint_offset(gen % 2)
-        calls += self._run(True, buf, *self._pieces(offset, geo.checkpoint_bytes))
+        pieces = self._slot_pieces()
+        crc = zlib.crc32(header)
+        first = self._buffers.take(pieces[0][1] - pieces[0][0])
+        try:
+            crc = self._fill_slot_piece(first, *pieces[0], crc)
+            for start, end in pieces[1:]:
+                buf = self._buffers.take(end - start)
+                try:
+                    crc = self._fill_slot_piece(buf, start, end, crc)
+                    calls += self._run(True, buf, *self._pieces(offset + start, end - start))
+                finally:
+                    self._buffers.give(buf)
+            head = first.array[:CKPT_HEADER_BYTES]
+            head[: _CKPT.size] = np.frombuffer(header, np.uint8)
+            head[_CKPT.size :] = np.frombuffer(_CRC.pack(crc), np.uint8)
+            size = pieces[0][1] - pieces[0][0]
+            calls += self._run(True, first, *self._pieces(offset, size))
+        finally:
+            self._buffers.give(first)
         calls += self._sync()
         self._generation = gen
         self._count(bytes_written=geo.checkpoint_bytes)
@@ -1007,6 +1133,28 @@ class LogBlockSCMStore(RowStore):
         self._pinned = self._live > 0
         self._free_empty(np.flatnonzero(self._state == _USED))
         return calls
+
+    def _slot_pieces(self) -> list[tuple[int, int]]:
+        """A checkpoint slot's byte ranges of at most one pass each, block aligned."""
+        total, bs = self.geometry.checkpoint_bytes, self.block_size
+        step = max(bs, self._max_pass_blocks * bs)
+        return [(a, min(a + step, total)) for a in range(0, total, step)]
+
+    def _fill_slot_piece(self, buf: AlignedBuffer, start: int, end: int, crc: int) -> int:
+        """Writes bytes ``start .. end`` of the slot image (header space, then the index as
+        little-endian int64, then zeros) into ``buf``; returns the checksum carried over the
+        index bytes it holds."""
+        out = buf.array[: end - start]
+        out[:] = 0
+        n = self.layout.num_rows
+        first = max(start, CKPT_HEADER_BYTES)
+        last = min(end, CKPT_HEADER_BYTES + 8 * n)
+        if first >= last:
+            return crc
+        rows = slice((first - CKPT_HEADER_BYTES) // 8, (last - CKPT_HEADER_BYTES) // 8)
+        part = out[first - start : last - start]
+        part.view("<i8")[:] = self._loc[rows]
+        return zlib.crc32(part.data, crc)
 
     def _free_target(self) -> int:
         """Free segments a flush leaves: half the dead space the bound allows, so the writes

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from apps.dlrm.config import CONF_DIR
+from torchrec_mtrains.tiers import FileHeader, open_store
+from torchrec_mtrains.tiers.base import FILE_SUFFIX, HEADER_BYTES
+from torchrec_mtrains.types import RowLayout
 
 # 26 tables: 20 of 100 rows (6.8 KB each with row-wise optimizer state) fit the 200 KB DRAM
 # budget; the 2,000-row tables (136 KB) go to byte SCM, the 4,000-row ones (272 KB) to block SCM.
@@ -20,6 +24,7 @@ TINY_TABLES = [
     "planner.block_scm_min_bytes=200KB",
     "planner.cache_load_factor=0.25",
     "run.progress=false",
+    "hardware.block_scm.max_pass_bytes=65536",  # a tiny model's I/O passes (planned DRAM)
 ]
 
 
@@ -32,3 +37,20 @@ def compose_app(*overrides: str) -> DictConfig:
 def app_config(run_dir: Path, *overrides: str) -> DictConfig:
     """The tiny model's config writing to ``run_dir``."""
     return compose_app(*TINY_TABLES, f"run.dir={run_dir}", *overrides)
+
+
+def tier_rows(path: Path) -> np.ndarray:  # type: ignore[type-arg]
+    """Every row of a tier file, in id order, read through its store (a log-structured file's
+    bytes depend on the order rows were written in; its rows do not)."""
+    with path.open("rb") as f:
+        raw = f.read(HEADER_BYTES)
+    header = FileHeader.unpack(raw, path)
+    layout = RowLayout(header.num_rows, header.dim, header.state_width, header.dtype)
+    table = path.name[: -len(f".{header.tier}{FILE_SUFFIX}")]
+    with open_store(header.tier, path.parent, table, layout, mode="open") as store:
+        return store.read_range(0, layout.num_rows)
+
+
+def same_tier_rows(left: Path, right: Path) -> bool:
+    """Whether two tier files hold the same rows, bit for bit."""
+    return bool(np.array_equal(tier_rows(left), tier_rows(right)))

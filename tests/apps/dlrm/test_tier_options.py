@@ -15,8 +15,8 @@ from apps.dlrm.config import CONF_DIR  # importing it registers the app's config
 from apps.dlrm.model import build_model, build_storage
 from torchrec_mtrains.pipeline import tiered_groups
 from torchrec_mtrains.planner import topology_from_config
-from torchrec_mtrains.tiers import BlockScmOptions
-from torchrec_mtrains.tiers.block_scm import BlockSCMStore
+from torchrec_mtrains.tiers import LogBlockScmOptions
+from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
 from torchrec_mtrains.types import Tier
 
 # Four 4,000-row tables (272 KB with their optimizer state) are too big for the DRAM budgets
@@ -31,9 +31,10 @@ PLANNERS = {
     ],
     "tiered": [
         "planner=tiered_capacity_bound",
-        "planner.dram_budget=400KB",
+        "planner.dram_budget=600KB",  # also the log index (4 B a row) and I/O buffers
         "planner.byte_scm_budget=300KB",
         "planner.min_cache_rows=64",
+        "hardware.block_scm.max_pass_bytes=65536",  # a tiny host's I/O passes
     ],
 }
 
@@ -63,7 +64,7 @@ def test_the_storage_takes_block_size_and_queue_depth_from_the_hardware(tmp_path
     storage = build_storage(cfg, resume=False)
     host = topology_from_config(cfg.hardware)
     assert host.block_scm is not None and host.block_scm.queue_depth == 8
-    assert storage.options_for(Tier.BLOCK_SCM) == BlockScmOptions(
+    assert storage.options_for(Tier.BLOCK_SCM) == LogBlockScmOptions(
         block_size=host.block_scm.block_size, queue_depth=8
     )
 
@@ -80,11 +81,11 @@ def test_block_stores_run_at_the_queue_depth_the_planner_assumed(
         shard.store
         for group in tiered_groups(model)
         for shard in group.shards
-        if shard.store.name == Tier.BLOCK_SCM.value
+        if shard.store.serves_tier == Tier.BLOCK_SCM.value
     ]
     assert stores, f"no table went to block SCM:\n{plan_text}"
     for store in stores:
-        assert isinstance(store, BlockSCMStore)
+        assert isinstance(store, LogBlockSCMStore)  # the block tier's default layout
         assert store.queue_depth == host.block_scm.queue_depth == 8
         assert store._engine.depth == 8  # the I/Os the engine keeps in flight
         assert store.block_size == host.block_scm.block_size

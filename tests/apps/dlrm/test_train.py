@@ -345,7 +345,7 @@ def _tiered(run_dir: Path, *overrides: str) -> DictConfig:
             overrides=[
                 *base,
                 "planner=tiered_capacity_bound",
-                "planner.dram_budget=400KB",
+                "planner.dram_budget=600KB",  # also the log index (4 B a row) and I/O buffers
                 "planner.byte_scm_budget=300KB",
                 "planner.min_cache_rows=64",
                 "run.steps=12",
@@ -382,10 +382,17 @@ def test_tiered_planner_uses_a_profile_and_pins_its_hot_rows(tmp_path: Path) -> 
 
 
 def test_dram_budget_too_small_for_any_plan_is_one_paragraph(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"planner\.dram_budget \(now 200KB\)") as info:
+        main(_tiered(tmp_path / "run", "planner.dram_budget=200KB"))
+    message = str(info.value)
+    assert "\n" not in message and "OVER by" in message
+
+
+def test_dram_budget_too_small_for_the_io_buffers_names_both_knobs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"planner\.dram_budget \(now 1KB\)") as info:
         main(_tiered(tmp_path / "run", "planner.dram_budget=1KB"))
     message = str(info.value)
-    assert "\n" not in message and "OVER by" in message
+    assert "\n" not in message and "hardware.block_scm.max_pass_bytes=65536" in message
 
 
 def test_run_device_cuda_without_a_gpu_is_one_paragraph(tmp_path: Path) -> None:
@@ -446,6 +453,7 @@ def test_tiered_plan_reads_the_apps_config(tmp_path: Path) -> None:
                 f"model.num_embeddings_per_feature=[{','.join(map(str, SIZES))}]",
                 "planner=tiered",
                 "planner.dram_budget=1MB",
+                "hardware.block_scm.max_pass_bytes=65536",  # a 1 MB budget's I/O passes
                 "pipeline.lookahead=2",
                 "data.batch_size=256",
             ],
