@@ -247,12 +247,35 @@ def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def checkpoint_leaves(checkpoint: Path, scratch: Path) -> dict[str, Any]:
-    """Every entry of a dcp checkpoint (tensors and plain values), by path."""
+    """Every entry of a dcp checkpoint (tensors and plain values), by path; a log-structured
+    table's rows (saved in batches in the log's order, which depends on the order they were
+    written) as one tensor of ids and one of rows, in id order."""
     target = scratch / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, target)
     state = torch.load(target, weights_only=False)
     target.unlink()
-    return dict(_leaves(state))
+    return _rows_by_id(dict(_leaves(state)))
+
+
+_LOG_BATCH = re.compile(r"^(/tier_rows::.+::)(\d+)::(ids|rows)$")
+
+
+def _rows_by_id(leaves: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tables: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, value in leaves.items():
+        found = _LOG_BATCH.match(key)
+        if found is None:
+            out[key] = value
+            continue
+        table, batch, part = found.group(1), int(found.group(2)), found.group(3)
+        tables.setdefault(table, {}).setdefault(batch, {})[part] = value
+    for table, batches in tables.items():
+        ids = torch.cat([batches[b]["ids"] for b in sorted(batches)])
+        rows = torch.cat([batches[b]["rows"] for b in sorted(batches)])
+        order = torch.argsort(ids)
+        out[f"{table}ids"], out[f"{table}rows"] = ids[order], rows[order]
+    return out
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -30,10 +30,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ParameterSharding
@@ -45,7 +42,9 @@ from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import (
     changed_state_dict,
     clear_changes,
-    load_changed_state,
+    deferred_views,
+    full_state_dict,
+    load_tier_checkpoint,
 )
 from torchrec_mtrains.distributed.options import tier_file_name
 from torchrec_mtrains.pipeline.stats import tiered_groups
@@ -297,12 +296,15 @@ def save_checkpoint(
     groups = tiered_groups(model)
     changed_rows = None
     try:
-        state: dict[str, Any] = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        planner: SavePlanner = DefaultSavePlanner()
-        if parent is not None:
-            changed = changed_state_dict(state, groups)
-            state, planner, changed_rows = changed.state, changed.planner, changed.rows
-        dcp_save(state, storage_writer=_writer(path), planner=planner)
+        # Log-structured tables are read from their tiers, never exported to their views.
+        with deferred_views(groups):
+            state: dict[str, Any] = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            if parent is not None:
+                saved = changed_state_dict(state, groups)
+                changed_rows = saved.rows
+            else:
+                saved = full_state_dict(state, groups)
+            dcp_save(saved.state, storage_writer=_writer(path), planner=saved.planner)
     except (Exception, CheckpointException) as e:
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -466,21 +468,22 @@ def load_checkpoint(
         CheckpointError: naming the checkpoint and the cause.
     """
     chain = checkpoint_chain(path)
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    for i, member in enumerate(chain):
-        try:
-            if i == 0:
-                dcp_load(state, checkpoint_id=member)
-            else:  # the tiered rows that changed, over what the checkpoints before it wrote
-                load_changed_state(state, member)
-        except (Exception, CheckpointException) as e:
-            via = f" (which {path} builds on)" if member != path else ""
-            raise CheckpointError(
-                f"checkpoint {member}{via} could not be loaded: {_first_line(e)}"
-            ) from e
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
-    clear_changes(tiered_groups(model))
+    groups = tiered_groups(model)
+    with deferred_views(groups):
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        for i, member in enumerate(chain):
+            try:
+                # The first is full; the others hold the tiered rows that changed since the
+                # one before. Log-structured tiers get their rows appended, batch by batch.
+                load_tier_checkpoint(state, member, groups, incremental=i > 0)
+            except (Exception, CheckpointException) as e:
+                via = f" (which {path} builds on)" if member != path else ""
+                raise CheckpointError(
+                    f"checkpoint {member}{via} could not be loaded: {_first_line(e)}"
+                ) from e
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+    clear_changes(groups)
 
 
 def load_newest(

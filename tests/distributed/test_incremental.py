@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from tests.distributed.test_checkpoint import (
     TIER_NAMES,
@@ -24,7 +25,9 @@ from tests.distributed.test_checkpoint import (
 from torchrec_mtrains.distributed.incremental import (
     changed_state_dict,
     clear_changes,
-    load_changed_state,
+    deferred_views,
+    full_state_dict,
+    load_tier_checkpoint,
     track_changes,
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
@@ -43,27 +46,25 @@ def _state(model: DistributedModelParallel) -> dict[str, Any]:
 
 
 def _save(model: DistributedModelParallel, path: Path, incremental: bool) -> int:
-    """Saves a full or an incremental checkpoint; returns this rank's changed rows saved."""
+    """Saves a full or an incremental checkpoint as the app does (log-structured tables
+    streamed from their tiers); returns this rank's tiered rows saved."""
     groups = tiered_groups(model)
-    state = _state(model)  # flushes the caches first
-    rows = 0
-    if incremental:
-        changed = changed_state_dict(state, groups)
-        dcp.save(changed.state, checkpoint_id=path, planner=changed.planner)
-        rows = changed.rows
-    else:
-        dcp.save(state, checkpoint_id=path)
+    with deferred_views(groups):
+        state = _state(model)  # flushes the caches first
+        saved = changed_state_dict(state, groups) if incremental else full_state_dict(state, groups)
+        dcp.save(saved.state, checkpoint_id=path, planner=saved.planner)
     clear_changes(groups)
-    return rows
+    return saved.rows
 
 
 def _load_chain(model: DistributedModelParallel, chain: list[Path]) -> None:
-    state = _state(model)
-    dcp.load(state, checkpoint_id=chain[0])
-    for path in chain[1:]:
-        load_changed_state(state, path)
-    model.load_state_dict(state["model"])
-    model.fused_optimizer.load_state_dict(state["optim"])
+    groups = tiered_groups(model)
+    with deferred_views(groups):
+        state = _state(model)
+        for i, path in enumerate(chain):
+            load_tier_checkpoint(state, path, groups, incremental=i > 0)
+        model.load_state_dict(state["model"])
+        model.fused_optimizer.load_state_dict(state["optim"])
 
 
 def _bytes(path: Path) -> int:
@@ -137,3 +138,100 @@ def _ws2_worker(rank: int, port: int, root: str) -> None:
 def test_world_size_two(tmp_path: Path) -> None:
     """Table-wise and column-wise at two ranks: the increments' rows come from both ranks."""
     mp.spawn(_ws2_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+def _stats(model: DistributedModelParallel) -> dict[str, float]:
+    (group,) = tiered_groups(model)
+    (shard,) = group.shards
+    return shard.store.stats.as_dict()
+
+
+def test_a_log_table_is_saved_from_its_log_and_restored_by_appends(tmp_path: Path) -> None:
+    """A full checkpoint streams a log-structured table's live rows in the log's order (never
+    exporting its view's copy), and a restore appends whole rows without reading one back
+    (only the log's compaction reads, to make room)."""
+    src = build(tmp_path / "src", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
+    train(src, 6, seed=1, rows=ROWS)
+    (group,) = tiered_groups(src)
+    before = _stats(src)
+    rows = _save(src, tmp_path / "c1", incremental=False)
+    read = _stats(src)["bytes_read"] - before["bytes_read"]
+    store = group.shards[0].store
+    assert rows == ROWS  # every row, once
+    assert 0 < read <= store.file_data_bytes  # one sequential pass at most
+    assert not group.views.is_current(0)  # the copy was never exported
+    keys = set(dcp.FileSystemReader(str(tmp_path / "c1")).read_metadata().state_dict_metadata)
+    assert any(k.startswith("tier_rows::") for k in keys)
+    assert not any("big.weight" in k and not k.startswith("tier_rows::") for k in keys)
+    expected = full_weights(src)
+
+    dst = build(tmp_path / "dst", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
+    before = _stats(dst)
+    _load_chain(dst, [tmp_path / "c1"])
+    after = _stats(dst)
+    assert after["rows_read"] == before["rows_read"]  # whole rows: none read back
+    assert after["rows_written"] - before["rows_written"] == ROWS
+    assert_same(expected, full_weights(dst))
+    train(src, 3, seed=4, rows=ROWS)
+    train(dst, 3, seed=4, rows=ROWS)
+    assert_same(full_weights(src), full_weights(dst))
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "loaded_on"),
+    [("log_block_scm", "block_scm"), ("block_scm", "log_block_scm"), ("log_block_scm", "dram")],
+)
+def test_a_chain_loads_across_layouts(tmp_path: Path, saved_on: str, loaded_on: str) -> None:
+    src = build(tmp_path / "src", saved_on, tables=_tables(ROWS), chunk_rows=512)
+    track_changes(tiered_groups(src))
+    train(src, 4, seed=1, rows=ROWS)
+    _save(src, tmp_path / "c1", incremental=False)
+    train(src, 2, seed=2, rows=ROWS)
+    _save(src, tmp_path / "c2", incremental=True)
+    dst = build(tmp_path / "dst", loaded_on, tables=_tables(ROWS), chunk_rows=512)
+    train(dst, 2, seed=9, rows=ROWS)
+    _load_chain(dst, [tmp_path / "c1", tmp_path / "c2"])
+    assert_same(full_weights(src), full_weights(dst))
+
+
+def test_a_full_checkpoint_lacking_a_tensor_is_refused(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", "log_block_scm")
+    groups = tiered_groups(src)
+    with deferred_views(groups):
+        saved = full_state_dict(_state(src), groups)
+        del saved.state["model"]["embedding_bags.small.weight"]
+        dcp.save(saved.state, checkpoint_id=tmp_path / "c1", planner=saved.planner)
+    dst = build(tmp_path / "dst", "log_block_scm")
+    with (
+        deferred_views(tiered_groups(dst)),
+        pytest.raises(ValueError, match=r"c1: holds no model\.embedding_bags\.small\.weight"),
+    ):
+        load_tier_checkpoint(_state(dst), tmp_path / "c1", tiered_groups(dst))
+
+
+def test_a_resident_table_beside_tiered_ones_saves_only_its_changed_rows(tmp_path: Path) -> None:
+    """The FUSED table the tiered kernel computes (``small``, 40 rows, ids < 40) is saved as
+    the rows training looked up once few of them change, and the chain still loads exactly."""
+    tables = [
+        EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=ROWS, feature_names=["f0"]),
+        EmbeddingBagConfig(name="small", embedding_dim=64, num_embeddings=40, feature_names=["f1"]),
+    ]
+    src = build(tmp_path / "src", "log_block_scm", tables=tables)
+    track_changes(tiered_groups(src))
+    train(src, 3, seed=1, rows=ROWS)
+    _save(src, tmp_path / "c1", incremental=False)
+    (group,) = tiered_groups(src)
+    (small,) = group.resident
+    assert small.name == "small" and not small.changed.any()
+    train(src, 1, seed=2, rows=ROWS)
+    changed = int(small.changed.sum())
+    assert 0 < changed <= 16
+    _save(src, tmp_path / "c2", incremental=True)
+    keys = set(dcp.FileSystemReader(str(tmp_path / "c2")).read_metadata().state_dict_metadata)
+    assert not any(k.endswith("embedding_bags.small.weight") for k in keys)  # not whole
+    saved_ids = [k for k in keys if "small.weight" in k and k.endswith("::ids")]
+    assert saved_ids  # its changed rows, weights and optimizer state
+    dst = build(tmp_path / "dst", "log_block_scm", tables=tables)
+    train(dst, 2, seed=9, rows=ROWS)
+    _load_chain(dst, [tmp_path / "c1", tmp_path / "c2"])
+    assert_same(full_weights(src), full_weights(dst))

@@ -10,7 +10,8 @@ log-structured tiers, see :class:`TierViews`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,6 +50,8 @@ class TierViews:
         self._mapped: dict[int, np.ndarray[Any, Any]] = {}
         self._copies: dict[int, ByteSCMStore] = {}  # exported copies, by shard index
         self._exported: dict[int, int | None] = {}  # the store version each copy holds
+        self._written: set[int] = set()  # copies a load wrote through since their export
+        self._deferred = 0
 
     def mapped_rows(self, index: int) -> torch.Tensor:
         """Shard ``index``'s rows on its tier as a ``(rows, row_width)`` tensor viewing the file
@@ -83,10 +86,35 @@ class TierViews:
         self._exported[index] = None  # filled by the first refresh()
         return copy.mapped_rows()
 
-    def refresh(self) -> None:
+    def is_copy(self, index: int) -> bool:
+        """Whether shard ``index``'s view is an exported copy of its rows (a log-structured
+        tier), not the rows themselves."""
+        self.mapped_rows(index)
+        return index in self._copies
+
+    def is_current(self, index: int) -> bool:
+        """Whether shard ``index``'s view shows its tier as of now (always, unless a copy)."""
+        if not self.is_copy(index):
+            return True
+        return self._exported[index] == self._shards[index].store.version
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Within the block, :meth:`refresh` exports nothing: for a checkpoint that streams
+        the copied tables from their tiers and only needs the state dict's structure."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+
+    def refresh(self, force: bool = False) -> None:
         """Exports again the copies whose table was written since they were made, so the views
-        show the tier as of now (call it after a flush). Flat tiers need nothing. The copy's
-        dirty pages are written out as the export goes, so it needs little memory."""
+        show the tier as of now (call it after a flush); nothing while :meth:`deferred`
+        unless ``force``. Flat tiers need nothing. The copy's dirty pages are written out as
+        the export goes, so it needs little memory."""
+        if self._deferred and not force:
+            return
         for index, copy in self._copies.items():
             store = self._shards[index].store
             if self._exported[index] != store.version:
@@ -110,6 +138,15 @@ class TierViews:
             start += width
         return out
 
+    def mark_written(self, index: int) -> None:
+        """Says a load is about to write shard ``index``'s rows through its view: a stale copy
+        is exported first (a load may write only some columns), and :meth:`persist_writes`
+        then stores the copy."""
+        if self.is_copy(index):
+            if not self.is_current(index):
+                self.refresh(force=True)
+            self._written.add(index)
+
     def persist_writes(self, index: int | None = None) -> None:
         """Stores the rows of shard ``index`` (all shards when ``None``) again through the store
         API, chunk by chunk, after a checkpoint load wrote them through the views.
@@ -117,11 +154,15 @@ class TierViews:
         Writes through a tier's ``mapped_rows()`` bypass its bookkeeping; the dram tier, whose
         view is its in-memory copy, would never write them to its file, and a log-structured
         tier's view is a copy. (A flat block tier's view maps the file itself: nothing to do.)
-        Nothing may write the tier between the load into the views and this call."""
+        A copy is stored back only when current or written (:meth:`mark_written`): a stale one
+        holds nothing the tier lacks. Nothing may write the tier between the load into the
+        views and this call."""
         for i in range(len(self._shards)) if index is None else [index]:
             store = self._shards[i].store
             mapped = store.mapped_rows()
             if mapped is None and i in self._copies:
+                if not self.is_current(i) and i not in self._written:
+                    continue
                 mapped = self._copies[i].mapped_rows()
             if mapped is None:
                 continue
@@ -129,6 +170,7 @@ class TierViews:
                 store.write_range(start, mapped[start : start + self._chunk_rows])
             if i in self._copies:
                 self._exported[i] = store.version  # the copy is what the tier now holds
+                self._written.discard(i)
 
     def close(self) -> None:
         """Drops the file mappings and the exported copies (before the stores close)."""

@@ -56,7 +56,7 @@ from torchrec_mtrains.distributed.sharded_state import (
     on_host,
     swap_aliases,
 )
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -184,6 +184,18 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         reads nothing (syncing would export every log-structured table)."""
         return self._tier_state
 
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # State that is not this optimizer's own views is copied into them: copies of
+        # log-structured tables must be current first (see TierViews.mark_written).
+        own = {id(v) for states in self._tier_state.values() for v in states.values()}
+        foreign = any(
+            id(v) not in own for states in state_dict["state"].values() for v in states.values()
+        )
+        if foreign:
+            for index in range(len(self._tiers.shards)):
+                self._tiers.views.mark_written(index)
+        super().load_state_dict(state_dict)
+
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
         self._tiers.views.persist_writes()
@@ -228,6 +240,16 @@ class _TieredKernelMixin:
             options=[o for o in options if o is not None],
             storage=storage,
             rank=_rank(pg),
+            resident=[
+                ResidentTable(
+                    name=config.embedding_tables[t].name,
+                    features=[f for f, ft in enumerate(self._feature_table_map) if ft == t],  # type: ignore[attr-defined]
+                    weights=module_weights[t].data,
+                    states={k: v.data for k, v in module_states[t].items()},
+                )
+                for t in range(len(options))
+                if t not in self._tiered_index
+            ],
         )
         # The fused optimizer exposes the tiered tables' state as it lives on the tiers
         # (fbgemm's own state tensors only hold the cached rows), resident tables' as fbgemm

@@ -533,6 +533,9 @@ class _TieredShardedMixin:
                 continue
             value = state_dict.pop(key)
             mine = self._model_parallel_name_to_sharded_tensor[name]
+            if value is not mine:  # foreign rows go through the views: bring copies up to date
+                for group, i, _ in self._tiered_shards(name):
+                    group.views.mark_written(i)
             with torch.no_grad():
                 if isinstance(value, ShardedTensor):
                     _copy_sharded(value, mine, name)

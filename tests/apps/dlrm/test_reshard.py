@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from apps.dlrm.checkpoints import finished_checkpoints, planned_world_size
 from apps.dlrm.errors import RunDirError
 from apps.dlrm.train import main
+from torchrec_mtrains.distributed.incremental import ROWS_PREFIX
 
 # Row-wise sharding of the large tables makes the plan depend on the world size.
 TRAIN = ("data.batch_size=32", "run.eval_batches=0", "pipeline.lookahead=0")
@@ -38,16 +39,37 @@ def _run(world: int, run_dir: Path, *overrides: str) -> None:
 
 
 def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it."""
+    """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it:
+    dcp's tensors, and the log-structured tables' rows (ids and whole rows, batch by batch)
+    put back in id order."""
     scratch.mkdir(parents=True, exist_ok=True)
     flat = scratch / f"{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, flat)
-    model = torch.load(flat, weights_only=False)["model"]
-    return {
+    saved = torch.load(flat, weights_only=False)
+    out = {
         key: value
-        for key, value in model.items()
+        for key, value in saved["model"].items()
         if ".embedding_bags." in key and key.endswith(".weight")
     }
+    for key, layout in saved.items():
+        if not (key.startswith(ROWS_PREFIX) and key.endswith("::layout")):
+            continue
+        path, where, _ = key[len(ROWS_PREFIX) :].split("::", 2)
+        row, rows, col, cols = (int(x) for x in where.split(":"))
+        name = path.split("/", 1)[1]
+        base = key[: -len("layout")]
+        columns = next(c for p, c, *_ in json.loads(layout) if p == path)
+        parts = [k for k in saved if k.startswith(base) and k.endswith("::rows")]
+        table = out.setdefault(name, torch.full((0, 0), float("nan")))
+        shape = (max(table.shape[0], row + rows), max(table.shape[1], col + cols))
+        if table.shape != shape:
+            grown = torch.full(shape, float("nan"))
+            grown[: table.shape[0], : table.shape[1]] = table
+            out[name] = table = grown
+        for part in parts:
+            ids = saved[part[: -len("rows")] + "ids"]
+            table[ids, col : col + cols] = saved[part][:, columns : columns + cols]
+    return out
 
 
 @pytest.mark.slow
