@@ -119,6 +119,7 @@ def app_command(args: argparse.Namespace, run_dir: Path, profile: Path | None) -
         overrides.append(f"planner.profile={profile}")
     if args.smoke:
         overrides.append("planner.min_cache_rows=64")
+        overrides.append("hardware.block_scm.max_pass_bytes=65536")  # a 1 MiB DRAM budget
     return [sys.executable, "-m", "apps.dlrm.train", *overrides, *args.override]
 
 

@@ -1,6 +1,6 @@
 """benchmarks/checkpoint_bench.py end to end on tiny tables: a full and an incremental
 checkpoint of one W2-shaped run, then a resume that rebuilds every deleted tier file from the
-chain, bit for bit."""
+chain with the same rows, and the flat layout's full checkpoint as the baseline."""
 
 from __future__ import annotations
 
@@ -30,5 +30,8 @@ def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     assert r["incremental"]["bytes"] < r["full"]["bytes"] / 4
     assert r["resume"]["returncode"] == 0 and r["resume"]["tier_files"] > 0
     assert r["resume"]["exact"], r["resume"]
-    assert "bit for bit -> EXACT" in done.stdout
+    assert "rebuilt with the same rows -> EXACT" in done.stdout
+    # The flat layout's full checkpoint of the same steps, timed as the baseline.
+    assert r["flat_full"]["parent"] is None and r["flat_full"]["bytes"] > 0
+    assert r["full_seconds_default_over_flat"] > 0
     assert not list(tmp_path.glob("w2_bench_*"))  # run directory removed
