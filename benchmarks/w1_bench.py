@@ -1011,15 +1011,13 @@ class Runner:
         check_only: bool = False,
     ) -> dict[str, Any]:
         tag = variant if budget is None else f"{variant}_{budget:g}"
-        # Files are reused across budgets: ours' tier files (opened, or created once) and B's
-        # mapped files (written once by init_mmap_files).
-        shared = {
-            "ours": "ours_tiers",
-            "ours_flat": "ours_flat_tiers",
-            "B": "b_files",
-            "B_plain": "b_files",
-        }
-        directory = self.work / shared.get(variant, tag)
+        # Every run starts from A's weights, so no run opens files an earlier one trained:
+        # ours' tier files are made afresh and B's mapped files written again before each.
+        directory = self.work / tag
+        if variant.startswith("B"):
+            t0 = time.perf_counter()
+            init_mmap_files(self.workload, directory)
+            print(f"[{variant}] files written in {time.perf_counter() - t0:.0f} s", flush=True)
         out = self.work / f"{tag}.json"
         spec = WorkerSpec(
             variant=variant,
@@ -1065,6 +1063,7 @@ class Runner:
             done = subprocess.run(cmd, check=False, env=env)
         record["wall_s"] = time.perf_counter() - t0
         record["returncode"] = done.returncode
+        shutil.rmtree(directory, ignore_errors=True)  # disk for the next run's files
         if out.exists():  # measured; a failure after that (the final flush) is noted
             record.update(json.loads(out.read_text()))
             if "loss_mismatch" in record:
@@ -1691,11 +1690,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runner.reference_losses = results["A"].get("first_losses")
         if not runner.reference_losses:
             raise SystemExit("A did not run: no losses to check the other variants against")
-        if "B" in variants or "B_plain" in variants:
-            t0 = time.perf_counter()
-            init_mmap_files(wl, work / "b_files")
-            results["b_files_init_s"] = time.perf_counter() - t0
-            print(f"B's files written in {results['b_files_init_s']:.0f} s", flush=True)
         b_steps = Steps(
             steps.warmup, steps.windows, args.b_window_steps or max(1, steps.window_steps // 2)
         )

@@ -44,7 +44,9 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_w1_smoke(tmp_path: Path) -> None:
     out = tmp_path / "w1.json"
-    done = _run("w1_bench.py", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    # Two budgets: the second's runs must not start from files the first trained.
+    args = ("--smoke", "--budgets", "0.15,0.5", "--out", str(out), "--dir", str(tmp_path))
+    done = _run("w1_bench.py", *args)
     r = json.loads(out.read_text())
     assert set(r) >= {"workload", "machine", "overhead_bytes", "A", "budgets", "summary", "probe"}
     assert r["A"]["ok"] and r["A"]["samples_per_s"] > 0
@@ -73,9 +75,11 @@ def test_w1_smoke(tmp_path: Path) -> None:
     # Every variant trained what A trains: from A's weights, its first losses are A's.
     first = r["A"]["first_losses"]
     assert len(first) >= 10 and len(set(first)) > 1
+    for budget in ("0.15", "0.5"):
+        for variant in ("B", "ours"):
+            assert r["budgets"][budget][variant]["first_losses"][: len(first)] == first, variant
     for variant in ("B", "ours"):
-        assert pair[variant]["first_losses"][: len(first)] == first, variant
-        assert f"[{variant}] first {len(first)} losses are A's, bit for bit" in done.stdout
+        assert done.stdout.count(f"[{variant}] first {len(first)} losses are A's, bit for bit") == 2
     assert not list(tmp_path.glob("w1_bench_*"))  # work files removed
     assert row["ours_blocks_per_step"] > 0  # the block I/O ours' steps needed
     # An earlier run's summary and plot are recomputed from its JSON alone.
