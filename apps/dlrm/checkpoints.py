@@ -139,7 +139,10 @@ def write_private(path: Path, text: str) -> None:
 
 
 def _writer(path: Path) -> FileSystemWriter:
-    writer = FileSystemWriter(path)
+    # A file per tensor: dcp's writer keeps every tensor of a file referenced until the file is
+    # closed, so one file per rank would hold all of a log-structured table's rows, gathered
+    # batch by batch (see full_state_dict), in memory at once.
+    writer = FileSystemWriter(path, single_file_per_rank=False)
     writer.fs = _PrivateFileSystem()
     return writer
 

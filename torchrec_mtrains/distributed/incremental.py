@@ -257,6 +257,11 @@ ChangedRowsSavePlanner = TierRowsSavePlanner  # the name incremental checkpoints
 class TierCheckpoint:
     """A state dict to save with dcp, with the planner that gathers its tiered rows.
 
+    Save it with a writer that puts each tensor in a file of its own
+    (``FileSystemWriter(path, single_file_per_rank=False)``): dcp's file writer keeps a
+    reference to every tensor of a file until the file is closed, so with one file per rank the
+    rows gathered batch by batch would all stay in memory.
+
     Attributes:
         state: the state dict for ``dcp.save``.
         planner: pass it to ``dcp.save``.
