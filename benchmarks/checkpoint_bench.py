@@ -135,24 +135,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_samples_per_s": metrics["samples_per_s"],
     }
     try:
-        # The baseline: the same full checkpoint with the block tier's flat layout.
-        flat_args = [
-            "--out",
-            str(args.out.with_suffix(".flat.w2.json")),
-            "--steps",
-            str(every),
-            "--dir",
-            str(args.dir),
-            *(["--smoke"] if args.smoke else []),
-            *train_overrides,
-            "hardware.block_scm.layout=flat",
-        ]
-        flat = w2_bench.main(flat_args)
-        if flat["app"]["returncode"] != 0 or flat["metrics"] is None:
-            raise SystemExit("the W2 run with the flat layout failed: see its log above")
-        (flat_full,) = flat["metrics"]["checkpoints_saved"]
-        result["flat_full"] = flat_full
-        result["full_seconds_default_over_flat"] = full["seconds"] / flat_full["seconds"]
         # Exactness: every tier file rebuilt from the chain (full + increment) is the same.
         tiers = run_dir / "tiers"
         before = row_digests(tiers)
@@ -180,7 +162,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "exact": same == len(before) and after.keys() == before.keys(),
         }
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # disk for the baseline's run
+    # The baseline: the same full checkpoint with the block tier's flat layout.
+    flat_args = [
+        "--out",
+        str(args.out.with_suffix(".flat.w2.json")),
+        "--steps",
+        str(every),
+        "--dir",
+        str(args.dir),
+        *(["--smoke"] if args.smoke else []),
+        *train_overrides,
+        "hardware.block_scm.layout=flat",
+    ]
+    flat = w2_bench.main(flat_args)
+    if flat["app"]["returncode"] != 0 or flat["metrics"] is None:
+        raise SystemExit("the W2 run with the flat layout failed: see its log above")
+    (flat_full,) = flat["metrics"]["checkpoints_saved"]
+    result["flat_full"] = flat_full
+    result["full_seconds_default_over_flat"] = full["seconds"] / flat_full["seconds"]
     result["machine"] = machine_info()
     print_summary(result)
     write_json(args.out, result)

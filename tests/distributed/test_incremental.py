@@ -4,6 +4,8 @@ and optimizer state, on every tier, at one and two ranks and across world sizes.
 
 from __future__ import annotations
 
+import dataclasses
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,35 @@ def test_a_log_table_is_saved_from_its_log_and_restored_by_appends(tmp_path: Pat
     train(src, 3, seed=4, rows=ROWS)
     train(dst, 3, seed=4, rows=ROWS)
     assert_same(full_weights(src), full_weights(dst))
+
+
+def test_a_full_checkpoint_holds_one_batch_of_a_logs_rows_at_a_time(tmp_path: Path) -> None:
+    """dcp's file writer keeps every tensor of a file referenced until the file closes: with a
+    file per tensor (as the app writes checkpoints) a save holds about one batch of a log's rows
+    in memory; with one file per rank it held them all."""
+    src = build(tmp_path / "src", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
+    train(src, 2, seed=1, rows=ROWS)
+    groups = tiered_groups(src)
+    store = groups[0].shards[0].store
+    # One segment per scan batch, so the table streams in many batches.
+    store.options = dataclasses.replace(store.options, max_pass_bytes=store.geometry.segment_bytes)
+    table_bytes = ROWS * store.layout.row_width * 4
+    assert len(store.scan_batches()) >= 16
+    peaks = {}
+    for one_file_per_rank in (True, False):
+        with deferred_views(groups):
+            saved = full_state_dict(_state(src), groups)
+            writer = dcp.FileSystemWriter(
+                tmp_path / f"c_{one_file_per_rank}", single_file_per_rank=one_file_per_rank
+            )
+            tracemalloc.start()
+            try:
+                dcp.save(saved.state, storage_writer=writer, planner=saved.planner)
+                peaks[one_file_per_rank] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+    assert peaks[True] > table_bytes, peaks  # every batch's rows at once
+    assert peaks[False] < table_bytes / 4, peaks
 
 
 @pytest.mark.parametrize(
