@@ -86,7 +86,7 @@ def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _tier_dir(cfg: DictConfig, tier: str, rank: int) -> Path:
+def tier_dir(cfg: DictConfig, tier: str, rank: int) -> Path:
     """Where ``tier``'s files of ``rank`` go (as ``TierStorage.directory``, creating nothing)."""
     mounts = tier_mounts(cfg)
     base = Path(mounts[tier]) if tier in mounts else tier_root(cfg) / tier
@@ -693,7 +693,7 @@ def plan_record(
                     continue
                 file = tier_file_name(name, offsets[0], offsets[1], store)
                 files.setdefault(str(shard_rank), []).append(
-                    str(_tier_dir(cfg, tier.value, shard_rank) / file)
+                    str(tier_dir(cfg, tier.value, shard_rank) / file)
                 )
     return {"world_size": world, "device": device_type, "tables": tables, "files": files}
 
@@ -711,7 +711,7 @@ def tier_space_problem(
             continue
         tier = ps.tier_options.tier
         store = storage.store_for(tier)
-        directory = _tier_dir(cfg, tier.value, rank)
+        directory = tier_dir(cfg, tier.value, rank)
         for offsets, sizes, shard_rank in _shards(ps):
             file = directory / tier_file_name(name, offsets[0], offsets[1], store.name)
             if shard_rank != rank or file.exists():

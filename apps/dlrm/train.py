@@ -58,9 +58,11 @@ from apps.dlrm.checkpoints import (
     save_checkpoint,
     save_plan,
     start_over,
+    tier_dir,
     tier_files,
     tier_space_problem,
 )
+from apps.dlrm.cluster import check_shared_run_dir, network_storage_warnings
 from apps.dlrm.config import CONF_DIR, check_keys
 from apps.dlrm.data import MalformedRowError, Split, build_dataloader
 from apps.dlrm.data.background import read_ahead
@@ -78,6 +80,7 @@ from apps.dlrm.report import (
     summary,
 )
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
+from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import track_changes
 from torchrec_mtrains.distributed.runtime import (
     end_process_group,
@@ -90,6 +93,7 @@ from torchrec_mtrains.distributed.runtime import (
 from torchrec_mtrains.distributed.tiered_tables import TableIdError
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.tiers.base import RowStoreError
+from torchrec_mtrains.types import Tier
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
 
@@ -360,6 +364,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         with failing_together(timeout, option=option):
             cfg = _agree_run_dir(cfg, group.world_size)
             run_dir = _prepare_run_dir(cfg)
+            # Before any tier file is made: a run.dir a node does not share stops every rank.
+            check_shared_run_dir(run_dir, group.rank, group.world_size)
             return _train(cfg, run_dir, group.rank, group.world_size, group.device)
     finally:
         if group.created:  # (failing_together has aborted it after an error)
@@ -539,6 +545,20 @@ def _train(
         the run; a new run records its plan (and so its tier files, which a rerun may then
         remove to start over)."""
         record = plan_record(cfg, plan, world, device.type)
+        if world > 1:  # each rank names its own files: tier roots may differ between nodes
+            mine: list[object] = [None] * world
+            dist.all_gather_object(mine, record["files"].get(str(rank), []))
+            record["files"] = {str(r): files for r, files in enumerate(mine)}
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+            used = {
+                ps.tier_options.tier
+                for ps in plan.values()
+                if isinstance(ps, TieredParameterSharding)
+            }
+            storage = used & {Tier.BYTE_SCM, Tier.BLOCK_SCM}
+            dirs = {tier.value: tier_dir(cfg, tier.value, rank) for tier in storage}
+            for warning in network_storage_warnings(dirs):
+                logger.warning(warning)
 
         replanned = False
 

@@ -17,12 +17,18 @@ Tables are named as the DLRM app names them (``t_cat_<i>``); their access statis
 ``--profile`` where it covers them, else from the model's ``zipf_exponents``, else the uniform
 fallback, and the printout says which; ids per sample come from ``model.pooling_factors`` or
 ``data.pooling_factors``, as in the app.
+
+``--launch SCHEDULER`` ends the printout with the torchx command that trains the model on the
+hosts found (``-j <hosts>x<ranks per host>``, the preset, the planner and its budgets per host,
+the batch size, the overrides given here), e.g. ``--launch slurm``; ``torchx run --dryrun ...``
+shows the job it would submit.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -34,14 +40,18 @@ from apps.dlrm.config import CONF_DIR
 from apps.dlrm.model import pooling_factors
 from torchrec_mtrains.planner.planners import with_budgets
 from torchrec_mtrains.planner.topology import (
+    HostTopology,
     available_presets,
+    exact_size,
     format_size,
+    parse_size,
     topology_from_config,
 )
 from torchrec_mtrains.planner.types import PlacementError, PlannerConfig
 from torchrec_mtrains.planner.whatif import (
     compare_host_types,
     format_host_counts,
+    host_variants,
     min_hosts,
     model_tables,
     plan_model,
@@ -64,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=None, help="plan on this many hosts")
     p.add_argument("--profile", default=None, help="access profile JSON")
     p.add_argument("--max-hosts", type=int, default=4096)
+    p.add_argument(
+        "--launch",
+        metavar="SCHEDULER",
+        default=None,
+        help="print the torchx command that trains the model on the hosts found, for this "
+        "scheduler (local_cwd, slurm, kubernetes, ...)",
+    )
     p.add_argument("--conf-dir", default=str(CONF_DIR), help="Hydra config directory")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. planner.cache_steps=64")
@@ -148,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(e))
         return 1
     print(summary.format())
+    launch_host, launch_hosts, host_type = host, hosts, host.name
     if args.target_throughput:
         print()
         counts = compare_host_types(
@@ -159,8 +177,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_hosts=args.max_hosts,
         )
         print(format_host_counts(counts, args.target_throughput))
+        # The launch takes the host type that reaches the target on the fewest hosts (the
+        # first listed, with the fewest tiers, on a tie).
+        reached = [(c.hosts, i) for i, c in enumerate(counts) if c.hosts is not None]
+        if reached:
+            launch_hosts, best = min(reached)
+            host_type, launch_host = host_variants(host)[best]
     print(f"\n(planned in {time.perf_counter() - start:.1f} s)")
+    if args.launch:
+        planner = [] if chosen else ["planner=tiered"]
+        command = launch_command(
+            args.launch,
+            args.model,
+            args.hardware,
+            launch_host,
+            launch_hosts,
+            batch,
+            [*planner, *args.overrides],
+            dropped=[t for t in _STORAGE if getattr(host, t) and not getattr(launch_host, t)],
+        )
+        print(
+            f"\nto train on {launch_hosts} {host_type} host{'s' if launch_hosts > 1 else ''} "
+            f"({args.hardware}; torchx run --dryrun ... shows the job):\n{command}"
+        )
     return 0
+
+
+_STORAGE = ("byte_scm", "block_scm")
+
+
+def launch_command(
+    scheduler: str,
+    model: str,
+    hardware: str,
+    host: HostTopology,
+    hosts: int,
+    batch_size: int,
+    overrides: Sequence[str],
+    dropped: Sequence[str] = (),
+) -> str:
+    """The torchx command that trains ``model`` on ``hosts`` hosts of ``host``'s kind: one
+    rank per GPU (else the preset's ``ranks_per_host``), the preset ``hardware`` without the
+    storage tiers in ``dropped`` (``hardware.<tier>=null``), the planner's budgets per host as
+    the what-if planned with them, then ``overrides``."""
+    ranks = host.gpu.count if host.gpu is not None else host.ranks_per_host
+    usable = parse_size(host.dram.capacity) - parse_size(host.dram_reserved)
+    args = ["torchx", "run", "-s", scheduler, "mtrains.dlrm", "-j", f"{hosts}x{ranks}"]
+    if host.gpu is not None:
+        args += ["--gpu", str(host.gpu.count)]
+    args += [f"model={model}", f"hardware={hardware}", *(f"hardware.{t}=null" for t in dropped)]
+    args.append(f"data.batch_size={batch_size}")
+    args.append(f"planner.dram_budget={exact_size(usable)}")
+    if host.byte_scm is not None:
+        args.append(f"planner.byte_scm_budget={exact_size(parse_size(host.byte_scm.capacity))}")
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}  # budgets given stay as given
+    args = [a for a in args if a.split("=", 1)[0] not in given]
+    return shlex.join([*args, *overrides])
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ __all__ = [
     "NetworkConfig",
     "available_presets",
     "detected_gpu",
+    "exact_size",
     "format_size",
     "load_topology",
     "on_compute_device",
@@ -110,6 +111,16 @@ def parse_size(value: str | int | float, what: str = "size") -> int:
     if number < 0 or not math.isfinite(number):
         raise ValueError(f"{what}={value!r} must be finite and >= 0")
     return int(number * _UNITS[unit])
+
+
+def exact_size(num_bytes: int) -> str:
+    """``num_bytes`` in the largest unit that holds it exactly, as :func:`parse_size` reads it
+    back to the byte: ``2**40`` -> ``1TiB``, ``64 * 10**6`` -> ``64MB``, ``1000001`` -> ``1000001``."""
+    if num_bytes > 0:
+        for unit, size in sorted(_UNITS.items(), key=lambda item: -item[1]):
+            if size > 1 and num_bytes % size == 0:
+                return f"{num_bytes // size}{unit.replace('I', 'i')}"
+    return str(num_bytes)
 
 
 def format_size(num_bytes: float) -> str:
@@ -340,6 +351,8 @@ class HostTopology:
         name: preset name.
         description: one line for the printout.
         ranks_per_host: training processes per host (one per GPU on GPU hosts).
+        cpu_cores: the host's CPU cores, what a launcher asks a scheduler for per host (the
+            torchx component ``mtrains.dlrm`` sizes its job from them and ``dram.capacity``).
         dram: host memory.
         dram_reserved: host memory kept for everything but embedding tables (dense model,
             batches, framework), per host.
@@ -361,6 +374,7 @@ class HostTopology:
     name: str = "unnamed"
     description: str = ""
     ranks_per_host: int = 1
+    cpu_cores: int = 1
     dram: MemoryTierConfig = field(default_factory=MemoryTierConfig)
     dram_reserved: str = "0B"
     byte_scm: MemoryTierConfig | None = None
@@ -378,6 +392,8 @@ class HostTopology:
     def __post_init__(self) -> None:
         if self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be >= 1, got {self.ranks_per_host}")
+        if self.cpu_cores < 1:
+            raise ValueError(f"cpu_cores must be >= 1, got {self.cpu_cores}")
         if self.gpu is not None and self.ranks_per_host != self.gpu.count:
             raise ValueError(
                 f"host {self.name!r}: ranks_per_host ({self.ranks_per_host}) must equal "

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from apps.dlrm.config import CONF_DIR
+from torchrec_mtrains.distributed.incremental import ROWS_PREFIX
 from torchrec_mtrains.tiers import FileHeader, open_store
 from torchrec_mtrains.tiers.base import FILE_SUFFIX, HEADER_BYTES
 from torchrec_mtrains.types import RowLayout
@@ -54,3 +58,37 @@ def tier_rows(path: Path) -> np.ndarray:  # type: ignore[type-arg]
 def same_tier_rows(left: Path, right: Path) -> bool:
     """Whether two tier files hold the same rows, bit for bit."""
     return bool(np.array_equal(tier_rows(left), tier_rows(right)))
+
+
+def checkpoint_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it:
+    dcp's tensors, and the log-structured tables' rows (ids and whole rows, batch by batch)
+    put back in id order."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    flat = scratch / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    saved = torch.load(flat, weights_only=False)
+    out = {
+        key: value
+        for key, value in saved["model"].items()
+        if ".embedding_bags." in key and key.endswith(".weight")
+    }
+    for key, layout in saved.items():
+        if not (key.startswith(ROWS_PREFIX) and key.endswith("::layout")):
+            continue
+        path, where, _ = key[len(ROWS_PREFIX) :].split("::", 2)
+        row, rows, col, cols = (int(x) for x in where.split(":"))
+        name = path.split("/", 1)[1]
+        base = key[: -len("layout")]
+        columns = next(c for p, c, *_ in json.loads(layout) if p == path)
+        parts = [k for k in saved if k.startswith(base) and k.endswith("::rows")]
+        table = out.setdefault(name, torch.full((0, 0), float("nan")))
+        shape = (max(table.shape[0], row + rows), max(table.shape[1], col + cols))
+        if table.shape != shape:
+            grown = torch.full(shape, float("nan"))
+            grown[: table.shape[0], : table.shape[1]] = table
+            out[name] = table = grown
+        for part in parts:
+            ids = saved[part[: -len("rows")] + "ids"]
+            table[ids, col : col + cols] = saved[part][:, columns : columns + cols]
+    return out

@@ -3,6 +3,10 @@ write what they promise."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,9 @@ import pytest
 from apps.dlrm import profile as profile_cli
 from apps.dlrm import whatif as plan_cli
 from torchrec_mtrains.profiler import AccessProfile
+
+REPO = Path(__file__).resolve().parents[3]
+VENV_BIN = Path(sys.executable).parent
 
 
 def test_whatif_cli_runs_on_the_shipped_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,6 +30,8 @@ def test_whatif_cli_runs_on_the_shipped_model(capsys: pytest.CaptureFixture[str]
             "4096",
             "--target-throughput",
             "1000000",
+            "--launch",
+            "slurm",
             "planner.cache_steps=32",
             "planner.balance_rounds=2",
         ]
@@ -33,6 +42,36 @@ def test_whatif_cli_runs_on_the_shipped_model(capsys: pytest.CaptureFixture[str]
     assert "minimum hosts" in out
     for host_type in ("HBM+DRAM only", "+ byte SCM", "+ block SCM", "+ both SCM"):
         assert host_type in out
+    # The launch: the host type reaching the target on the fewest hosts, as a torchx command
+    # that runs as printed (here as a dry run).
+    counts = {
+        line[:26].strip(): int(line[26:33])
+        for line in out.splitlines()
+        if line.startswith("HBM+DRAM") and line[26:33].strip().isdigit()
+    }
+    hosts = min(counts.values())
+    best = next(label for label, n in counts.items() if n == hosts)
+    (launch,) = [line for line in out.splitlines() if line.startswith("torchx run")]
+    assert f"to train on {hosts} {best} host" in out
+    args = shlex.split(launch)
+    assert args[:6] == ["torchx", "run", "-s", "slurm", "mtrains.dlrm", "-j"]
+    assert args[6] == f"{hosts}x8" and args[7:9] == ["--gpu", "8"]
+    assert "model=whatif_multi_tb" in args and "hardware=gpu_pmem_nvme" in args
+    assert "data.batch_size=4096" in args and "planner=tiered" in args
+    assert "planner.dram_budget=768GiB" in args  # 1 TiB less the preset's dram_reserved
+    assert ("hardware.block_scm=null" in args) == ("block" not in best)
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    dry = subprocess.run(
+        [str(VENV_BIN / "torchx"), "run", "--dryrun", *args[2:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"--nnodes {hosts} --nproc_per_node 8" in dry.stdout
+    assert "--cpus-per-task=128 --mem=1048576 --gpus-per-task=8" in dry.stdout
 
 
 def test_whatif_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dlrm_helpers import app_config
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from dlrm_helpers import app_config, checkpoint_weights
 
 from apps.dlrm.checkpoints import finished_checkpoints, planned_world_size
 from apps.dlrm.errors import RunDirError
 from apps.dlrm.train import main
-from torchrec_mtrains.distributed.incremental import ROWS_PREFIX
 
 # Row-wise sharding of the large tables makes the plan depend on the world size.
 TRAIN = ("data.batch_size=32", "run.eval_batches=0", "pipeline.lookahead=0")
@@ -38,40 +36,6 @@ def _run(world: int, run_dir: Path, *overrides: str) -> None:
     mp.spawn(_rank, args=(world, free_port(), run_dir, overrides), nprocs=world, join=True)
 
 
-def _weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every embedding table's full weight in ``checkpoint``, whatever the plan that wrote it:
-    dcp's tensors, and the log-structured tables' rows (ids and whole rows, batch by batch)
-    put back in id order."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    flat = scratch / f"{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, flat)
-    saved = torch.load(flat, weights_only=False)
-    out = {
-        key: value
-        for key, value in saved["model"].items()
-        if ".embedding_bags." in key and key.endswith(".weight")
-    }
-    for key, layout in saved.items():
-        if not (key.startswith(ROWS_PREFIX) and key.endswith("::layout")):
-            continue
-        path, where, _ = key[len(ROWS_PREFIX) :].split("::", 2)
-        row, rows, col, cols = (int(x) for x in where.split(":"))
-        name = path.split("/", 1)[1]
-        base = key[: -len("layout")]
-        columns = next(c for p, c, *_ in json.loads(layout) if p == path)
-        parts = [k for k in saved if k.startswith(base) and k.endswith("::rows")]
-        table = out.setdefault(name, torch.full((0, 0), float("nan")))
-        shape = (max(table.shape[0], row + rows), max(table.shape[1], col + cols))
-        if table.shape != shape:
-            grown = torch.full(shape, float("nan"))
-            grown[: table.shape[0], : table.shape[1]] = table
-            out[name] = table = grown
-        for part in parts:
-            ids = saved[part[: -len("rows")] + "ids"]
-            table[ids, col : col + cols] = saved[part][:, columns : columns + cols]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_world", [1, 4])
 def test_a_two_rank_checkpoint_resumes_at_another_world_size(
@@ -86,8 +50,8 @@ def test_a_two_rank_checkpoint_resumes_at_another_world_size(
     assert planned_world_size(run_dir) == resume_world
     (before_step, before), (after_step, after) = sorted(finished_checkpoints(run_dir))[-2:]
     assert (before_step, after_step) == (4, 6)
-    written = _weights(before, tmp_path)
-    restored = _weights(after, tmp_path)
+    written = checkpoint_weights(before, tmp_path)
+    restored = checkpoint_weights(after, tmp_path)
     assert len(written) == 26 and written.keys() == restored.keys()
     for name, weight in written.items():
         assert torch.equal(weight, restored[name]), name
@@ -118,8 +82,8 @@ def test_an_incremental_chain_resumes_at_another_world_size(tmp_path: Path) -> N
     assert parents == {2: None, 4: "step_00000002", 6: "step_00000004"}
     _run(2, reference, *every, "run.full_checkpoint_every=1")
     _run(1, chained, "run.steps=7", "run.resume=true", "run.learning_rate=0")
-    expected = _weights(reference / "checkpoints" / "step_00000006", tmp_path / "a")
-    restored = _weights(chained / "checkpoints" / "step_00000007", tmp_path / "b")
+    expected = checkpoint_weights(reference / "checkpoints" / "step_00000006", tmp_path / "a")
+    restored = checkpoint_weights(chained / "checkpoints" / "step_00000007", tmp_path / "b")
     assert len(expected) == 26 and expected.keys() == restored.keys()
     for name, weight in expected.items():
         assert torch.equal(weight, restored[name]), name

@@ -1,10 +1,16 @@
-"""torchx components that launch the tiered-embedding DLRM app.
+"""The torchx component that launches the DLRM app: ``mtrains.dlrm``.
 
 Registered under the ``torchx.components`` entry point as ``mtrains``, so from the repository
 root::
 
     torchx run -s local_cwd mtrains.dlrm run.steps=100 planner.dram_budget=16MB
+    torchx run -s slurm mtrains.dlrm -j 2x2 hardware=local model=w2_large
     torchx run -s local_cwd mtrains.dlrm --help
+
+The job is sized from the plan's host: the overrides are composed as every rank will compose
+them, and the hardware preset they name (``hardware=...``, ``hardware.dram.capacity=...``) gives
+each node's CPUs, memory and GPUs and each node's ranks, unless ``cpu`` / ``memMB`` / ``h`` /
+``gpu`` / ``j`` say otherwise. A bad override fails here, at submission, not on the cluster.
 
 Typing note: torchx 0.7's component linter reads the annotations from the source and accepts only
 ``typing.Optional`` / ``typing.Dict`` / ``typing.List``, not PEP 604/585 spellings, and the CLI
@@ -14,11 +20,14 @@ needs real (not postponed) annotations, so this module keeps the old spellings o
 # ruff: noqa: UP006, UP035, UP045
 
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torchx
 from torchx import specs
 from torchx.components.dist import ddp
+
+from torchrec_mtrains.planner.topology import HostTopology, parse_size, topology_from_config
 
 APP_MODULE = "apps.dlrm.train"
 
@@ -72,6 +81,62 @@ def _has_override(overrides: List[str], key: str) -> bool:
     return any(re.match(rf"^(\+\+|\+)?{re.escape(key)}=", arg) for arg in overrides)
 
 
+def _hydra_overrides(script_args: List[str]) -> List[str]:
+    """The key=value overrides among ``script_args`` (Hydra's flags and their values left out)."""
+    out: List[str] = []
+    expect_value = False
+    for arg in script_args:
+        if expect_value:
+            expect_value = False
+        elif arg.startswith("-"):
+            expect_value = arg in _HYDRA_FLAGS_WITH_VALUE
+        else:
+            out.append(arg)
+    return out
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """What one node of the job needs, from the hardware preset the overrides name."""
+
+    preset: str
+    cpu: int
+    mem_mb: int
+    gpu: int
+    ranks: int
+
+    @classmethod
+    def of(cls, host: HostTopology) -> "NodeShape":
+        return cls(
+            preset=host.name,
+            cpu=host.cpu_cores,
+            mem_mb=parse_size(host.dram.capacity, "hardware.dram.capacity") // 2**20,
+            gpu=host.gpu.count if host.gpu is not None else 0,
+            ranks=host.ranks_per_host,
+        )
+
+
+def node_shape(script_args: List[str]) -> NodeShape:
+    """The node the app's config describes once ``script_args`` are applied, composed as each
+    rank composes it (``conf/config.yaml``, its defaults, the overrides).
+
+    Raises:
+        ValueError: an override does not compose (unknown key or preset, bad value), naming it.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from apps.dlrm.config import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose(config_name="config", overrides=_hydra_overrides(script_args))
+        return NodeShape.of(topology_from_config(cfg.hardware))
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ValueError(f"script_args: {e}") from None
+
+
 # PyTorch backs large CPU tensors with transparent huge pages: a step allocates hundreds of MiB
 # of activations and gradients afresh, and faulting them in 4 KiB at a time costs tens of ms.
 DEFAULT_ENV: Dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
@@ -84,10 +149,12 @@ def dlrm(
     j: Optional[str] = None,
     name: str = "dlrm",
     image: str = torchx.IMAGE,
-    cpu: int = 2,
-    gpu: int = 0,
-    memMB: int = 8192,
+    cpu: Optional[int] = None,
+    gpu: Optional[int] = None,
+    memMB: Optional[int] = None,
     h: Optional[str] = None,
+    tier_root: Optional[str] = None,
+    mounts: Optional[List[str]] = None,
     env: Optional[Dict[str, str]] = None,
     max_retries: int = 0,
     rdzv_port: int = 29500,
@@ -98,21 +165,32 @@ def dlrm(
     Every rank runs the Hydra app with the same overrides; ranks join one process group through
     torchrun: NCCL with one rank per GPU when gpu > 0 (the app gets run.device=cuda), gloo on
     CPUs otherwise (run.device=cpu), unless the overrides set run.device. Without a run.dir
-    override all ranks write to runs/<app id>.
+    override all ranks write to runs/<app id>. Each node is sized from the hardware preset the
+    overrides name (hardware=local by default): its cpu_cores, dram.capacity, GPUs and
+    ranks_per_host, unless the arguments below set them.
+
+    On a cluster, run.dir must be a file system every node mounts at the same path (plan,
+    checkpoints, metrics; the app checks it) and tier_root a node-local disk (NVMe).
 
     Args:
         script_args: Hydra overrides for the app, e.g. run.steps=100 planner.dram_budget=16MB
         nnodes: number of nodes (hosts)
         nproc_per_node: number of training processes (ranks) on each node; default: one per
-            GPU when gpu > 0, else 2
+            GPU when gpu > 0, else the preset's ranks_per_host
         j: {nnodes}x{nproc_per_node} as for dist.ddp, e.g. 2x8 (or {nproc_per_node} alone);
             takes precedence over nnodes and nproc_per_node
         name: job name, {experimentname}/{runname} or {runname}
         image: image to run in (the working directory for the local_cwd scheduler)
-        cpu: number of CPUs per node
-        gpu: number of GPUs per node; each rank gets one
-        memMB: host memory per node in MB
-        h: a registered named resource (takes precedence over cpu and memMB)
+        cpu: number of CPUs per node; default: the preset's cpu_cores
+        gpu: number of GPUs per node, each rank gets one; default: the preset's gpu.count (0
+            without GPUs)
+        memMB: host memory per node in MiB; default: the preset's dram.capacity
+        h: a registered named resource (takes precedence over cpu, gpu and memMB)
+        tier_root: node-local directory for the tier files (hardware.tier_root), e.g. an NVMe
+            mount; default: the overrides' hardware.tier_root, else <run.dir>/tiers
+        mounts: mounts into each node's container, e.g. on Kubernetes
+            type=bind,src=/local/nvme,dst=/local/nvme (the tier root) and
+            type=volume,src=<shared claim>,dst=/shared (run.dir)
         env: extra environment variables, e.g. OMP_NUM_THREADS=1,LOGLEVEL=INFO; ranks get
             THP_MEM_ALLOC_ENABLE=1 (huge pages for large tensors) unless env sets it
         max_retries: the number of scheduler retries allowed
@@ -123,36 +201,47 @@ def dlrm(
         specs.AppDef: one role of nnodes replicas, each a torchrun of nproc_per_node ranks.
 
     Raises:
-        ValueError: an argument is out of range or a script argument is not a Hydra override.
+        ValueError: an argument is out of range or a script argument is not a Hydra override
+            (or does not compose with the app's config).
     """
-    if gpu < 0:
+    if gpu is not None and gpu < 0:
         raise ValueError(f"gpu={gpu}: must be 0 or more")
+    if cpu is not None and cpu < 1:
+        raise ValueError(f"cpu={cpu}: must be at least 1")
+    if memMB is not None and memMB < 1:
+        raise ValueError(f"memMB={memMB}: must be at least 1")
     if j is not None:
         nnodes, nproc_per_node = _parse_j(j)
-    if nproc_per_node is None:
-        nproc_per_node = gpu if gpu > 0 else 2
     if nnodes < 1:
         raise ValueError(f"nnodes={nnodes}: must be at least 1")
+    if not name or not _NAME.match(name):
+        raise ValueError(
+            f"name={name!r}: use letters, digits, '-' and '_', optionally as experiment/run"
+        )
+    if max_retries < 0:
+        raise ValueError(f"max_retries={max_retries}: must be 0 or more")
+    if not 0 < rdzv_port < 65536:
+        raise ValueError(f"rdzv_port={rdzv_port}: must be a TCP port in 1..65535")
+    if tier_root is not None and not tier_root.strip():
+        raise ValueError("tier_root='': give a directory, or leave it out")
+    overrides = list(script_args)
+    _check_overrides(overrides)
+    if tier_root is not None:
+        if _has_override(overrides, "hardware.tier_root"):
+            raise ValueError(
+                "tier_root is given both as an argument and as hardware.tier_root: keep one"
+            )
+        overrides.append(f"hardware.tier_root={tier_root}")
+    shape = node_shape(overrides)
+    gpu = shape.gpu if gpu is None else gpu
+    if nproc_per_node is None:
+        nproc_per_node = gpu if gpu > 0 else shape.ranks
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node}: must be at least 1")
     if gpu and nproc_per_node > gpu:
         raise ValueError(
             f"{nproc_per_node} ranks per node but gpu={gpu}: run at most one rank per GPU"
         )
-    if not name or not _NAME.match(name):
-        raise ValueError(
-            f"name={name!r}: use letters, digits, '-' and '_', optionally as experiment/run"
-        )
-    if cpu < 1:
-        raise ValueError(f"cpu={cpu}: must be at least 1")
-    if memMB < 1:
-        raise ValueError(f"memMB={memMB}: must be at least 1")
-    if max_retries < 0:
-        raise ValueError(f"max_retries={max_retries}: must be 0 or more")
-    if not 0 < rdzv_port < 65536:
-        raise ValueError(f"rdzv_port={rdzv_port}: must be a TCP port in 1..65535")
-    overrides = list(script_args)
-    _check_overrides(overrides)
     if not _has_override(overrides, "run.dir"):
         # Each rank composes its own config; a timestamped default could differ between them.
         overrides.append(f"run.dir=runs/{specs.macros.app_id}")
@@ -164,12 +253,13 @@ def dlrm(
         image=image,
         name=name,
         h=h,
-        cpu=cpu,
+        cpu=shape.cpu if cpu is None else cpu,
         gpu=gpu,
-        memMB=memMB,
+        memMB=shape.mem_mb if memMB is None else memMB,
         j=f"{nnodes}x{nproc_per_node}",
         env={**DEFAULT_ENV, **(env or {})},
         max_retries=max_retries,
         rdzv_port=rdzv_port,
+        mounts=mounts,
         debug=debug,
     )
