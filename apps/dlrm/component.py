@@ -21,13 +21,14 @@ needs real (not postponed) annotations, so this module keeps the old spellings o
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torchx
 from torchx import specs
 from torchx.components.dist import ddp
 
-from torchrec_mtrains.planner.topology import HostTopology, parse_size, topology_from_config
+if TYPE_CHECKING:  # the planner imports TorchRec: only a launch pays for it, not torchx's listing
+    from torchrec_mtrains.planner.topology import HostTopology
 
 APP_MODULE = "apps.dlrm.train"
 
@@ -106,7 +107,9 @@ class NodeShape:
     ranks: int
 
     @classmethod
-    def of(cls, host: HostTopology) -> "NodeShape":
+    def of(cls, host: "HostTopology") -> "NodeShape":
+        from torchrec_mtrains.planner.topology import parse_size
+
         return cls(
             preset=host.name,
             cpu=host.cpu_cores,
@@ -128,6 +131,7 @@ def node_shape(script_args: List[str]) -> NodeShape:
     from omegaconf.errors import OmegaConfBaseException
 
     from apps.dlrm.config import CONF_DIR
+    from torchrec_mtrains.planner.topology import topology_from_config
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
