@@ -73,8 +73,9 @@ def row_digest(path: Path) -> str:
             if weights is None:
                 rng = np.random.default_rng(0)
                 weights = rng.integers(1, 2**63, size=words.shape[1], dtype=np.uint64) | 1
-            mixed = (words * weights).sum(axis=1) ^ (ids.astype(np.uint64) * _ID_MIX)
-            total += mixed.sum()
+            with np.errstate(over="ignore"):  # sums modulo 2**64 on purpose
+                mixed = (words * weights).sum(axis=1) ^ (ids.astype(np.uint64) * _ID_MIX)
+                total += mixed.sum()
     return f"{int(total):016x}"
 
 

