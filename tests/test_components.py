@@ -196,6 +196,9 @@ def test_slurm_dryrun_asks_for_the_presets_cpus_and_memory() -> None:
     assert script.count(node) == 2, script  # one job of the heterogeneous job per node
     assert "--nnodes 2 --nproc_per_node 2" in script
     assert "hardware.tier_root=/local/nvme/w2" in script and "model=w2_large" in script
+    # The CLI hands optional counts over as text.
+    script = _dryrun("slurm", ["--cpu", "4", "--memMB", "2048", *W2_OVERRIDES])
+    assert "--cpus-per-task=4 --mem=2048" in script, script
 
 
 def test_kubernetes_dryrun_asks_for_the_presets_cpus_and_memory() -> None:

@@ -96,6 +96,15 @@ def _hydra_overrides(script_args: List[str]) -> List[str]:
     return out
 
 
+def _optional_int(value: object, name: str) -> Optional[int]:
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number") from None
+
+
 @dataclass(frozen=True)
 class NodeShape:
     """What one node of the job needs, from the hardware preset the overrides name."""
@@ -208,6 +217,13 @@ def dlrm(
         ValueError: an argument is out of range or a script argument is not a Hydra override
             (or does not compose with the app's config).
     """
+    # torchx's CLI hands Optional[int] arguments over as text.
+    nproc_per_node = _optional_int(nproc_per_node, "nproc_per_node")
+    cpu, gpu, memMB = (
+        _optional_int(cpu, "cpu"),
+        _optional_int(gpu, "gpu"),
+        _optional_int(memMB, "memMB"),
+    )
     if gpu is not None and gpu < 0:
         raise ValueError(f"gpu={gpu}: must be 0 or more")
     if cpu is not None and cpu < 1:
