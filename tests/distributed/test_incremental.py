@@ -183,14 +183,16 @@ def test_a_full_checkpoint_holds_one_batch_of_a_logs_rows_at_a_time(tmp_path: Pa
     """dcp's file writer keeps every tensor of a file referenced until the file closes: with a
     file per tensor (as the app writes checkpoints) a save holds about one batch of a log's rows
     in memory; with one file per rank it held them all."""
-    src = build(tmp_path / "src", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
-    train(src, 2, seed=1, rows=ROWS)
+    rows = 200_000
+    src = build(tmp_path / "src", "log_block_scm", tables=_tables(rows), chunk_rows=4096)
+    train(src, 2, seed=1, rows=rows)
     groups = tiered_groups(src)
     store = groups[0].shards[0].store
     # One segment per scan batch, so the table streams in many batches.
-    store.options = dataclasses.replace(store.options, max_pass_bytes=store.geometry.segment_bytes)
-    table_bytes = ROWS * store.layout.row_width * 4
-    assert len(store.scan_batches()) >= 16
+    passes = store.geometry.segment_bytes
+    store.options = dataclasses.replace(store.options, max_pass_bytes=passes)
+    table_bytes = rows * store.layout.row_width * 4
+    assert len(store.scan_batches()) >= 8
     peaks = {}
     for one_file_per_rank in (True, False):
         with deferred_views(groups):
@@ -205,7 +207,7 @@ def test_a_full_checkpoint_holds_one_batch_of_a_logs_rows_at_a_time(tmp_path: Pa
             finally:
                 tracemalloc.stop()
     assert peaks[True] > table_bytes, peaks  # every batch's rows at once
-    assert peaks[False] < table_bytes / 4, peaks
+    assert peaks[False] < table_bytes / 2, peaks  # about one batch, plus dcp's own
 
 
 @pytest.mark.parametrize(
