@@ -96,6 +96,28 @@ def test_w1_stops_at_a_variant_that_trains_another_model() -> None:
         w1.check_losses("ours", [0.5, 0.3, 0.125], [0.5, 0.25, 0.125])
 
 
+def test_w1_opens_its_block_stores_with_the_presets_options(tmp_path: Path) -> None:
+    """W1's stores are opened as the app opens them (store_options of the host the planner
+    costs), so the local preset's queue depth, not the store's own default, reaches them."""
+    from torchrec_mtrains.distributed.runtime import process_group
+    from torchrec_mtrains.planner.topology import load_topology
+    from torchrec_mtrains.tiers.log_block_scm import LogBlockScmOptions
+
+    w1 = _load("w1_bench")
+    wl = w1.Workload.smoke()
+    preset = load_topology("local").block_scm
+    assert preset is not None and preset.queue_depth != LogBlockScmOptions().queue_depth
+    with process_group():
+        built = w1.build_tiered(wl, tmp_path, int(0.15 * wl.embedding_bytes), 2, smoke=True)
+        stores = [shard.store for group in w1.tiered_groups(built.model) for shard in group.shards]
+        assert stores
+        for store in stores:
+            assert store.options.queue_depth == preset.queue_depth, store
+            assert store.options.block_size == preset.block_size
+        for group in w1.tiered_groups(built.model):
+            group.close()
+
+
 def test_w2_smoke(tmp_path: Path) -> None:
     out = tmp_path / "w2.json"
     done = _run("w2_bench.py", "--smoke", "--out", str(out), "--dir", str(tmp_path))
