@@ -14,14 +14,15 @@ each node's CPUs, memory and GPUs and each node's ranks, unless ``cpu`` / ``memM
 
 Typing note: torchx 0.7's component linter reads the annotations from the source and accepts only
 ``typing.Optional`` / ``typing.Dict`` / ``typing.List``, not PEP 604/585 spellings, and the CLI
-needs real (not postponed) annotations, so this module keeps the old spellings on purpose.
+needs real (not postponed) annotations, so this module keeps the old spellings on purpose. The
+CLI also hands ``Optional[int]`` arguments over as text, which :func:`dlrm` reads as numbers.
 """
 
 # ruff: noqa: UP006, UP035, UP045
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import torchx
 from torchx import specs
@@ -43,19 +44,27 @@ _OVERRIDE = re.compile(r"^(~|\+\+|\+)?[A-Za-z_@][\w.@/\-]*(=.*)?$", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_\-]*(/[A-Za-z0-9_\-]*)?$")
 
 
-def _check_overrides(overrides: List[str]) -> None:
+def _hydra_args(script_args: List[str]) -> Iterator[Tuple[str, bool]]:
+    """Each of ``script_args`` but the values of Hydra's flags, with whether it is a flag."""
     expect_value = False
-    for arg in overrides:
+    for arg in script_args:
         if expect_value:
             expect_value = False
             continue
+        is_flag = arg.startswith("-")
+        if is_flag:
+            expect_value = arg in _HYDRA_FLAGS_WITH_VALUE
+        yield arg, is_flag
+
+
+def _check_overrides(overrides: List[str]) -> None:
+    for arg, is_flag in _hydra_args(overrides):
         if arg in _REJECTED_FLAGS:
             raise ValueError(
                 f"script_args: {arg!r} (Hydra multirun) is not supported under a distributed "
                 "launch; submit one job per configuration instead"
             )
-        if arg.startswith("-"):
-            expect_value = arg in _HYDRA_FLAGS_WITH_VALUE
+        if is_flag:
             continue
         is_override = "=" in arg or arg.startswith("~")
         if not (is_override and _OVERRIDE.match(arg)):
@@ -84,16 +93,7 @@ def _has_override(overrides: List[str], key: str) -> bool:
 
 def _hydra_overrides(script_args: List[str]) -> List[str]:
     """The key=value overrides among ``script_args`` (Hydra's flags and their values left out)."""
-    out: List[str] = []
-    expect_value = False
-    for arg in script_args:
-        if expect_value:
-            expect_value = False
-        elif arg.startswith("-"):
-            expect_value = arg in _HYDRA_FLAGS_WITH_VALUE
-        else:
-            out.append(arg)
-    return out
+    return [arg for arg, is_flag in _hydra_args(script_args) if not is_flag]
 
 
 def _optional_int(value: object, name: str) -> Optional[int]:
