@@ -362,7 +362,10 @@ def _rank_main(
     ):
         try:
             for i, line in enumerate(lines):
-                outcome = run_case(SweepCase.from_line(line), rank, Path(root) / f"case{i}")
+                # A root of its own per rank: each rank removes its root when its case ends,
+                # which may be while the other rank still reads (or spills next to) its files.
+                case_root = Path(root) / f"case{i}" / f"rank{rank}"
+                outcome = run_case(SweepCase.from_line(line), rank, case_root)
                 outcomes.append(outcome)
                 if outcome.status == "error":
                     break  # the ranks may be out of step now: the rest run in a new job
