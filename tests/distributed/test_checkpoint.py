@@ -64,9 +64,10 @@ def build(
     big_plan: str = "tw",
     optimizer: OptimType = OptimType.EXACT_ROWWISE_ADAGRAD,
     hot_rows: dict[str, list[int]] | None = None,
+    open_mode: str = "create",
 ) -> DistributedModelParallel:
     tables = tables or _tables()
-    storage = tier_storage(tier, root, checkpoint_chunk_rows=chunk_rows)
+    storage = tier_storage(tier, root, checkpoint_chunk_rows=chunk_rows, open_mode=open_mode)
     sharder = TieredEmbeddingBagCollectionSharder(
         storage, fused_params={"optimizer": optimizer, "learning_rate": 0.05}, hot_rows=hot_rows
     )

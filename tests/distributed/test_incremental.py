@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
@@ -34,6 +35,7 @@ from torchrec_mtrains.distributed.incremental import (
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
 
 ROWS = 3000
 
@@ -173,10 +175,39 @@ def test_a_log_table_is_saved_from_its_log_and_restored_by_appends(tmp_path: Pat
     after = _stats(dst)
     assert after["rows_read"] == before["rows_read"]  # whole rows: none read back
     assert after["rows_written"] - before["rows_written"] == ROWS
+    # The initial rows, flushed, were forgotten before the load rather than pinned beside it.
+    log = tiered_groups(dst)[0].shards[0].store.log_stats
+    assert log.grown_segments == 0 and log.compacted_rows == 0
     assert_same(expected, full_weights(dst))
     train(src, 3, seed=4, rows=ROWS)
     train(dst, 3, seed=4, rows=ROWS)
     assert_same(full_weights(src), full_weights(dst))
+
+
+def test_building_over_an_existing_log_exports_no_copy_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TorchRec's optimizer lists its state's keys when built: that must not export the view's
+    copy of a log-structured table (a full extra pass over it at every start of a run)."""
+    src = build(tmp_path / "t", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
+    train(src, 2, seed=1, rows=ROWS)
+    expected = full_weights(src)["embedding_bags.big.weight"]
+    tiered_groups(src)[0].close()  # a tier file has one user at a time
+    exports: list[str] = []
+    original = LogBlockSCMStore.export_rows
+
+    def counted(self: LogBlockSCMStore, *args: Any, **kwargs: Any) -> None:
+        exports.append(self.table)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LogBlockSCMStore, "export_rows", counted)
+    again = build(
+        tmp_path / "t", "log_block_scm", tables=_tables(ROWS), chunk_rows=512, open_mode="open"
+    )
+    assert not exports
+    # The reopened table holds the trained rows; reading the state exports them, as it must.
+    assert torch.equal(expected, full_weights(again)["embedding_bags.big.weight"])
+    assert exports
 
 
 def test_a_full_checkpoint_holds_one_batch_of_a_logs_rows_at_a_time(tmp_path: Path) -> None:

@@ -98,6 +98,26 @@ def test_rows_survive_flush_close_and_reopen(make_store: StoreFactory, dtype: st
     np.testing.assert_array_equal(third.read_range(0, 777), expected)
 
 
+def test_clear_makes_every_row_zero_and_stays_so_after_reopen(make_store: StoreFactory) -> None:
+    layout = RowLayout(300, 5, 1)
+    rng = np.random.default_rng(3)
+    store = make_store(layout)
+    store.write_range(0, exact_rows(rng, 300, 6, "fp32"))
+    store.flush()
+    version = store.version
+    store.clear()
+    assert store.version > version
+    assert not store.read_range(0, 300).any()
+    rows = exact_rows(rng, 7, 6, "fp32")
+    store.write_rows(np.arange(7), rows)
+    store.close()
+    again = make_store(layout, mode=OpenMode.OPEN)
+    expected = np.zeros((300, 6), np.float32)
+    expected[:7] = rows
+    np.testing.assert_array_equal(again.read_range(0, 300), expected)
+    again.close()
+
+
 def test_file_is_the_flat_row_array_after_close(make_store: StoreFactory, tmp_path: Path) -> None:
     """Checkpoints may map any tier's file as (rows, row_width) from data_offset."""
     layout = RowLayout(301, 7, 1, "fp16")

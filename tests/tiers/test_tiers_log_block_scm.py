@@ -263,6 +263,57 @@ def test_flushed_copies_pinned_by_rewrites_grow_the_file_until_a_flush(
         np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), second)
 
 
+def test_a_cleared_log_takes_a_whole_rewrite_without_growing(tmp_path: Path) -> None:
+    """What a full checkpoint load does: clear, then write every row. The flushed rows are
+    forgotten, not pinned, so the file stays within its bound, with no compaction."""
+    rng = np.random.default_rng(6)
+    bound = 1.5 * SMALL.total_bytes
+    with _store(tmp_path, SMALL, max_space_amplification=1.5, **SMALL_OPTIONS) as store:
+        store.write_range(0, exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32"))
+        store.flush()
+        version = store.version
+        store.clear()
+        assert store.version > version  # views of the rows know they are stale
+        assert store.live_rows == 0 and not store.read_range(0, SMALL.num_rows).any()
+        second = exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32")
+        for start in range(0, SMALL.num_rows, 500):
+            store.write_range(start, second[start : start + 500])
+        stats = store.log_stats
+        assert stats.grown_segments == 0 and stats.compacted_rows == 0
+        assert store.file_data_bytes <= bound
+    with _store(tmp_path, SMALL, mode="open", **SMALL_OPTIONS) as store:
+        np.testing.assert_array_equal(store.read_range(0, SMALL.num_rows), second)
+
+
+def test_a_clear_is_durable_at_once(tmp_path: Path) -> None:
+    """A kill after clear() reopens an empty table, never rows of segments it freed."""
+    rng = np.random.default_rng(7)
+    store = _store(tmp_path, SMALL, **SMALL_OPTIONS)
+    store.write_range(0, exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32"))
+    store.flush()
+    store.clear()
+    store.write_range(0, exact_rows(rng, 100, SMALL.row_width, "fp32"))  # never flushed
+    _abandon(store)
+    with _store(tmp_path, SMALL, mode="open", **SMALL_OPTIONS) as again:
+        assert again.live_rows == 0 and not again.read_range(0, SMALL.num_rows).any()
+
+
+def test_a_flush_with_nothing_written_since_the_last_writes_no_checkpoint(tmp_path: Path) -> None:
+    """Every state dict and purge flushes; an unchanged log keeps the checkpoint it has
+    rather than rewriting an index of 8 bytes a row."""
+    rng = np.random.default_rng(8)
+    with _store(tmp_path, SMALL, **SMALL_OPTIONS) as store:
+        store.write_rows(np.arange(10), exact_rows(rng, 10, SMALL.row_width, "fp32"))
+        store.flush()
+        before = store.log_stats.checkpoints
+        store.flush()
+        store.flush()
+        assert store.log_stats.checkpoints == before
+        store.write_rows(np.arange(3), exact_rows(rng, 3, SMALL.row_width, "fp32"))
+        store.flush()
+        assert store.log_stats.checkpoints == before + 1
+
+
 def test_the_index_is_four_bytes_a_row_and_widens_when_the_file_outgrows_int32_slots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -548,6 +599,8 @@ def test_a_file_killed_while_being_created_opens_empty(tmp_path: Path) -> None:
             f.write(b"\0" * store.geometry.checkpoint_bytes)
     with _store(tmp_path, layout, mode="open") as store:
         assert not store.read_range(0, 50).any()
+        # A write, so closing checkpoints again (into slot 0; opening wrote slot 1).
+        store.write_rows(np.array([0]), np.zeros((1, 4), np.float32))
     with open(store.path, "r+b") as f:  # the first checkpoint torn: its magic, no checksum
         f.seek(store.geometry.checkpoint_offset(1))
         f.write(b"\0" * store.geometry.checkpoint_bytes)

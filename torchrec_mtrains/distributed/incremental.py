@@ -581,6 +581,12 @@ def load_tier_checkpoint(
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ValueError(f"{checkpoint}: holds no {', '.join(missing[:3])}{more}")
     regions = _regions(groups)
+    if not incremental:
+        # Every row of these is written next: their logs forget the old rows first, which
+        # would otherwise stay pinned beside the new ones (a file twice the table) until a
+        # flush, and be compacted away after it.
+        for region in _wholly_loaded(flat, regions):
+            region.shard.store.clear()
     through_views: set[tuple[int, int]] = set()
     for key, value in flat.items():  # dcp writes these into the views: copies must be current
         if key in metadata:
@@ -594,6 +600,21 @@ def load_tier_checkpoint(
             region.group.views.persist_writes(region.index)
     _apply_saved(state, checkpoint, metadata, saved, regions)
     release_freed_memory()  # the batches' memory, kept by the C heap otherwise
+
+
+def _wholly_loaded(flat: Mapping[str, Any], regions: Sequence[_TierRegion]) -> list[_TierRegion]:
+    """The log-structured regions each of whose columns (weights, every optimizer state) a
+    tensor of ``flat`` views: a full load writes every row of them."""
+    covered: dict[int, np.ndarray[Any, Any]] = {}
+    for value in flat.values():
+        for shard, region in _tiered_shards(value, regions) or []:
+            if not region.copy:
+                continue
+            width = region.shard.store.layout.row_width
+            mask = covered.setdefault(id(region), np.zeros(width, dtype=bool))
+            start = region.column(shard.tensor)
+            mask[start : start + (shard.tensor.shape[1] if shard.tensor.dim() == 2 else 1)] = True
+    return [r for r in regions if id(r) in covered and bool(covered[id(r)].all())]
 
 
 def load_changed_state(

@@ -167,11 +167,16 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
         self._tiers = tiers
+        # TorchRec's constructor lists the state's keys, reading no value: syncing then would
+        # export a copy of every log-structured table each time a model is built.
+        self._sync_on_read = False
         super().__init__(*args, **kwargs)
+        self._sync_on_read = True
 
     @property  # type: ignore[override]
     def state(self) -> Any:
-        self._tiers.sync_views()
+        if self._sync_on_read:
+            self._tiers.sync_views()
         return self._tier_state
 
     @state.setter

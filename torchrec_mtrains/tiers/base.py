@@ -51,6 +51,7 @@ LAYOUT_VERSION = 1
 DATA_OFFSET = 4096
 FILE_SUFFIX = ".rows"
 FILE_MODE = 0o600
+CLEAR_CHUNK_BYTES = 4 * 2**20  # zeros written at once by a flat store's clear()
 
 # magic, version, tier name, num_rows, dim, state_width, dtype code, row_bytes, data_offset, crc
 _HEADER = struct.Struct("<8sI16sQIIBIQ")
@@ -442,6 +443,16 @@ class RowStore(ABC):
         self._check_open()
         self._write_checked(np.arange(start, start + rows_arr.shape[0], dtype=np.int64), rows_arr)
 
+    def clear(self) -> None:
+        """Makes every row read as zeros (weights and optimizer state), durably: before a
+        load that writes the whole table, so a store that appends (the log) does not keep the
+        old rows beside the new. A flat store writes zeros over its rows."""
+        self._check_open()
+        with self._write_lock:
+            self.version += 1
+            calls = self._clear()
+        self._count(io_calls=calls)
+
     def flush(self) -> None:
         """Makes every completed write durable on the medium."""
         self._check_open()
@@ -528,6 +539,19 @@ class RowStore(ABC):
     @abstractmethod
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
         """Stores ``rows[i]`` at row ``ids[i]``; ids are unique. Returns bytes moved and calls."""
+
+    def _clear(self) -> int:
+        """Zeroes every row, then flushes; returns the I/O calls issued. Stores that can
+        forget rows without writing them override it."""
+        width, calls = self.layout.row_width, 0
+        chunk = max(1, CLEAR_CHUNK_BYTES // (4 * width))
+        for start in range(0, self.layout.num_rows, chunk):
+            count = min(chunk, self.layout.num_rows - start)
+            zeros = np.zeros((count, width), dtype=np.float32)
+            moved, issued = self._write_rows(np.arange(start, start + count, dtype=np.int64), zeros)
+            self._count(bytes_written=moved)
+            calls += issued
+        return calls + self._flush()
 
     @abstractmethod
     def _flush(self) -> int:

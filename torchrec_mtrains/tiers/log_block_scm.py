@@ -374,6 +374,7 @@ class LogBlockSCMStore(RowStore):
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
+        self._checkpointed_version = self.version  # the rows the last checkpoint recorded
         self._freed_since_drain = False
         try:
             self._recover()
@@ -1054,6 +1055,19 @@ class LogBlockSCMStore(RowStore):
             self._live, self._state = self._live[:segments], self._state[:segments]
             self._pinned = self._pinned[:segments]
 
+    def _clear(self) -> int:
+        """Forgets every row without writing one: all segments free, an empty index
+        checkpointed at once (a kill after it reopens an empty table, never rows in segments
+        about to be reused), the file back to its bound."""
+        self._gate.drain()  # reads that looked rows up finish before their segments are reused
+        self._freed_since_drain = False
+        self._loc[:] = -1
+        self._live[:] = 0
+        self._state[:] = _FREE
+        self._head, self._head_slot = -1, 0
+        self._tail = self._zero_prefix()
+        return self._checkpoint() + self._shrink()
+
     # ------------------------------------------------------------------------ flush & close
 
     def _flush(self) -> int:
@@ -1061,6 +1075,11 @@ class LogBlockSCMStore(RowStore):
         segments compaction emptied. Another round (and checkpoint) only while rows sit past
         the bound or the free target is missed, and the last round moved rows or freed room
         for compaction to move more."""
+        if self._checkpointed_version == self.version and self.segments <= self.capacity:
+            # Nothing written since the last checkpoint, nothing past the bound: it stands
+            # (a flush at every state dict or purge would rewrite an index of 8 bytes a row).
+            self._buffers.clear()
+            return 0
         calls = 0
         for _ in range(_FLUSH_ROUNDS):
             moved = self._compact_for_flush()
@@ -1127,6 +1146,7 @@ class LogBlockSCMStore(RowStore):
             self._buffers.give(first)
         calls += self._sync()
         self._generation = gen
+        self._checkpointed_version = self.version
         self._count(bytes_written=geo.checkpoint_bytes)
         self.log_stats.checkpoints += 1
         self.log_stats.checkpoint_bytes += geo.checkpoint_bytes
