@@ -25,6 +25,8 @@ from tests.distributed.test_checkpoint import (
     full_weights,
     train,
 )
+from torchrec_mtrains.distributed import incremental
+from torchrec_mtrains.distributed.checkpoint_views import VIEW_DIR
 from torchrec_mtrains.distributed.incremental import (
     changed_state_dict,
     clear_changes,
@@ -205,9 +207,39 @@ def test_building_over_an_existing_log_exports_no_copy_of_it(
         tmp_path / "t", "log_block_scm", tables=_tables(ROWS), chunk_rows=512, open_mode="open"
     )
     assert not exports
+    # The copy takes no disk until exported: a table's worth per run otherwise.
+    (copy,) = (tmp_path / "t" / "block_scm" / "rank0" / VIEW_DIR).iterdir()
+    table_bytes = tiered_groups(again)[0].shards[0].store.layout.total_bytes
+    assert copy.stat().st_blocks * 512 < table_bytes / 10
     # The reopened table holds the trained rows; reading the state exports them, as it must.
     assert torch.equal(expected, full_weights(again)["embedding_bags.big.weight"])
     assert exports
+    assert copy.stat().st_blocks * 512 >= table_bytes
+
+
+def test_a_restore_selects_each_saved_batch_once_per_tiered_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiered table's tensors are hundreds of row chunks at scale; rows bound for its log are
+    selected once per saved batch, not once per chunk (W2's restore spent ~20 minutes so)."""
+    src = build(tmp_path / "src", "log_block_scm", tables=_tables(ROWS), chunk_rows=512)
+    train(src, 2, seed=1, rows=ROWS)
+    _save(src, tmp_path / "c1", incremental=False)
+    calls: dict[int, int] = {}
+    original = incremental._DirectRows.add
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls[chunk] = calls.get(chunk, 0) + 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(incremental._DirectRows, "add", counted)
+    for chunk in (64, 1024):  # 47 and 3 chunks of the table's tensors
+        dst = build(
+            tmp_path / f"dst{chunk}", "log_block_scm", tables=_tables(ROWS), chunk_rows=chunk
+        )
+        _load_chain(dst, [tmp_path / "c1"])
+        assert_same(full_weights(src), full_weights(dst))
+    assert calls[64] == calls[1024] > 0
 
 
 def test_a_full_checkpoint_holds_one_batch_of_a_logs_rows_at_a_time(tmp_path: Path) -> None:

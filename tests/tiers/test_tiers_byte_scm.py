@@ -103,3 +103,23 @@ def test_binding_to_a_numa_node_places_the_pages_there(tmpfs_mount: object) -> N
         for row in (0, 2048, 4095):
             assert _linux.node_of_address(view[row].ctypes.data) == node
         del view
+
+
+def test_a_file_made_without_preallocation_takes_no_disk_until_allocated(tmp_path: Path) -> None:
+    layout = RowLayout(100_000, 64)  # 25.6 MB of rows
+    with ByteSCMStore(tmp_path, "t", layout, options=ByteScmOptions(preallocate=False)) as store:
+        assert store.path.stat().st_blocks * 512 < layout.total_bytes / 100
+        assert not store.read_range(0, 10).any()
+        store.allocate()
+        assert store.path.stat().st_blocks * 512 >= layout.total_bytes
+        store.write_range(5, np.ones((2, 64), np.float32))
+        assert store.read_range(5, 2).all()
+
+
+def test_allocating_on_a_full_device_names_the_file(tmpfs_mount: object) -> None:
+    directory = tmpfs_mount("size=1m")  # type: ignore[operator]
+    layout = RowLayout(10_000, 64)  # 2.56 MB: a sparse file is made, its blocks do not fit
+    store = ByteSCMStore(directory, "t", layout, options=ByteScmOptions(preallocate=False))
+    with pytest.raises(RowStoreError, match="allocating its blocks") as err:
+        store.allocate()
+    assert str(store.path) in str(err.value)

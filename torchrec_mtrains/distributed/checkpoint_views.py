@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchrec_mtrains.tiers import OpenMode
-from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
+from torchrec_mtrains.tiers.byte_scm import ByteScmOptions, ByteSCMStore
 
 if TYPE_CHECKING:
     from torchrec_mtrains.distributed.tiered_tables import TieredTableShard
@@ -79,8 +79,14 @@ class TierViews:
         store = self._shards[index].store
         directory = store.directory / VIEW_DIR
         directory.mkdir(mode=0o700, exist_ok=True)
+        # Sparse until first exported: the app's checkpoints never export it, and a table's
+        # worth of disk for a copy nobody fills would double a log's footprint.
         copy = ByteSCMStore(
-            directory, f"{store.table}.{store.name}", store.layout, mode=OpenMode.TRUNCATE
+            directory,
+            f"{store.table}.{store.name}",
+            store.layout,
+            mode=OpenMode.TRUNCATE,
+            options=ByteScmOptions(preallocate=False),
         )
         self._copies[index] = copy
         self._exported[index] = None  # filled by the first refresh()
@@ -118,6 +124,7 @@ class TierViews:
         for index, copy in self._copies.items():
             store = self._shards[index].store
             if self._exported[index] != store.version:
+                copy.allocate()  # a full device fails here, naming the file, not as a SIGBUS
                 store.export_rows(copy.mapped_rows(), written=copy.flush)
                 self._exported[index] = store.version
 

@@ -742,15 +742,19 @@ def _apply(
                 values = values[:, item.column : item.column + item.width]
                 values = values[:, 0] if item.one_d else values
             target = tensors[item.path]
+            added: set[int] = set()
             for shard in target.local_shards():
                 mine = _where(shard)
                 if not _overlap(mine, item.where):
                     continue
                 region = _region_of(shard.tensor, regions)
-                if region is not None and region.copy:
-                    direct.add(region, shard, item, ids, values)
-                else:
+                if region is None or not region.copy:
                     _write_view(shard, mine, item.where, ids, values)
+                elif id(region) not in added:
+                    # Once per tiered shard, not per chunk of its tensor: the rows go to the
+                    # tier whole (a table's hundreds of chunks each re-selected every saved row).
+                    added.add(id(region))
+                    direct.add(region, shard, item, ids, values)
         direct.write()
 
 

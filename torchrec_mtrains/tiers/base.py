@@ -385,6 +385,7 @@ class RowStore(ABC):
         self._stats_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._closed = False
+        self._sparse_create = False  # a new file left sparse (see ByteScmOptions.preallocate)
         # Bumped by every write call: copies of the rows (checkpoint views) know when they
         # are stale.
         self.version = 0
@@ -681,7 +682,10 @@ class RowStore(ABC):
             os.fchmod(fd, FILE_MODE)  # exact mode whatever the umask
             # Allocates every block now: a full device fails here, not at a later write or, for
             # a memory mapping, as a SIGBUS when a page of a sparse file is first touched.
-            os.posix_fallocate(fd, 0, file_bytes)
+            if self._sparse_create:
+                os.ftruncate(fd, file_bytes)
+            else:
+                os.posix_fallocate(fd, 0, file_bytes)
             os.pwrite(fd, header.pack(), 0)
             os.fsync(fd)
         except OSError as e:

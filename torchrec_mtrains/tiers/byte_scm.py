@@ -51,12 +51,17 @@ class ByteScmOptions(TierOptions):
             ``None`` leaves placement to the kernel.
         map_sync: ``None`` tries ``MAP_SYNC`` when the directory is on a DAX mount and falls
             back to a plain shared mapping; ``True`` requires it; ``False`` never uses it.
+        preallocate: a new file's blocks are allocated when it is made, so a full device fails
+            there rather than as a SIGBUS at a later write. ``False`` leaves it sparse until
+            :meth:`ByteSCMStore.allocate`: for a copy that may never be filled (a
+            log-structured table's view), which should take no disk until it is.
     """
 
     tier: ClassVar[str] = "byte_scm"
 
     numa_node: int | None = None
     map_sync: bool | None = None
+    preallocate: bool = True
 
     def validate(self) -> None:
         if self.numa_node is not None and self.numa_node < 0:
@@ -99,6 +104,7 @@ class ByteSCMStore(RowStore):
         numa_node, map_sync = self.options.numa_node, self.options.map_sync
         if numa_node is not None:
             _check_node(numa_node)
+        self._sparse_create = not self.options.preallocate
         self._prepare_file(DATA_OFFSET)
         self.numa_node = numa_node
         size = self.data_offset + layout.total_bytes
@@ -118,6 +124,23 @@ class ByteSCMStore(RowStore):
         ).reshape(layout.num_rows, layout.row_width)
         if numa_node is not None:
             self._bind(numa_node, size)
+
+    def allocate(self) -> None:
+        """Allocates every block of the file (a no-op for blocks that are): before filling a
+        file made with ``preallocate=False``, so a full device fails here, naming the file.
+
+        Raises:
+            RowStoreError: the device has no room (or another error allocating)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._os_error(e, "opening") from e
+        try:
+            os.posix_fallocate(fd, 0, self.data_offset + self.layout.total_bytes)
+        except OSError as e:
+            raise self._os_error(e, "allocating its blocks") from e
+        finally:
+            os.close(fd)
 
     def _map(self, fd: int, size: int, map_sync: bool | None) -> tuple[mmap.mmap, bool]:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
