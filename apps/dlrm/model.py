@@ -22,6 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from apps.dlrm.config import option
 from apps.dlrm.errors import ConfigError
 from apps.dlrm.placement import format_placements, size_rule_plan
 from torchrec_mtrains.distributed import (
@@ -118,7 +119,7 @@ def bounds_check_option(cfg: DictConfig) -> BoundsCheck:
     """``run.bounds_check``: what a batch with an id outside its table does, for every table
     (``error``: the run stops naming the table, the feature and the id; ``warn``: TorchRec's
     default, a warning and row 0 looked up instead)."""
-    value = OmegaConf.select(cfg, "run.bounds_check", default=BoundsCheck.ERROR.value)
+    value = option(cfg, "run.bounds_check")
     try:
         return BoundsCheck.parse(str(value))
     except ValueError:
@@ -372,7 +373,7 @@ def _poolings(cfg: DictConfig, names: list[str]) -> dict[str, float]:
 
 
 def lookahead_depth(cfg: DictConfig) -> int:
-    value = OmegaConf.select(cfg, "pipeline.lookahead", default=0)
+    value = option(cfg, "pipeline.lookahead")
     try:
         lookahead = int(value)
     except (TypeError, ValueError):

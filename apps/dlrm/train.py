@@ -63,7 +63,7 @@ from apps.dlrm.checkpoints import (
     tier_space_problem,
 )
 from apps.dlrm.cluster import check_shared_run_dir, network_storage_warnings
-from apps.dlrm.config import CONF_DIR, check_keys
+from apps.dlrm.config import CONF_DIR, check_keys, option
 from apps.dlrm.data import MalformedRowError, Split, build_dataloader
 from apps.dlrm.data.background import read_ahead
 from apps.dlrm.errors import USER_ERRORS, ConfigError, RunDirError, one_paragraph
@@ -106,7 +106,7 @@ FIRST_LOSSES = 20  # per-step losses metrics.json keeps, to compare runs by
 def compute_device(cfg: DictConfig) -> torch.device:
     """``run.device`` (auto / cpu / cuda) as this rank's device: ``cuda:<LOCAL_RANK>`` on GPUs."""
     try:
-        return resolve_device(str(OmegaConf.select(cfg, "run.device", default="auto")))
+        return resolve_device(str(option(cfg, "run.device")))
     except ValueError as e:
         raise ConfigError(f"run.{e}") from None
 
@@ -114,7 +114,7 @@ def compute_device(cfg: DictConfig) -> torch.device:
 def collective_timeout(cfg: DictConfig) -> timedelta:
     """``run.collective_timeout``: how long a collective waits for the other ranks before the
     run stops, naming the ranks that did not answer."""
-    value = OmegaConf.select(cfg, "run.collective_timeout", default="10min")
+    value = option(cfg, "run.collective_timeout")
     try:
         return parse_duration(value, "run.collective_timeout")
     except ValueError as e:
@@ -191,7 +191,7 @@ def _in_step(
 
 
 def _read_ahead_batches(cfg: DictConfig) -> int:
-    value = OmegaConf.select(cfg, "pipeline.read_ahead", default=0)
+    value = option(cfg, "pipeline.read_ahead")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(
             f"pipeline.read_ahead={value!r}: give the number of batches a background thread "
@@ -210,8 +210,8 @@ def _while_all_have(batches: Iterator[Batch], device: torch.device) -> Generator
         yield batch
 
 
-def _count_option(cfg: DictConfig, key: str, minimum: int, default: int | None) -> int | None:
-    value = OmegaConf.select(cfg, key, default=default)
+def _count_option(cfg: DictConfig, key: str, minimum: int) -> int | None:
+    value = option(cfg, key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -230,8 +230,8 @@ class Schedule:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> Schedule:
-        steps = _count_option(cfg, "run.steps", minimum=0, default=None)
-        epochs = _count_option(cfg, "run.epochs", minimum=1, default=1)
+        steps = _count_option(cfg, "run.steps", minimum=0)
+        epochs = _count_option(cfg, "run.epochs", minimum=1)
         if steps is None and epochs is None:
             raise ConfigError(
                 "run.steps=null and run.epochs=null: the run would never end; set run.epochs "
@@ -352,16 +352,16 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             or died; it names that rank (and its error).
     """
     check_keys(cfg)
-    threads = int(cfg.run.get("num_threads", 0))
+    threads = int(option(cfg, "run.num_threads"))
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     timeout = collective_timeout(cfg)
     group = init_process_group(compute_device(cfg), timeout)
     # A rank that fails, stalls or dies ends every rank, each naming it (see failing_together).
-    option = f"run.collective_timeout={format_duration(timeout)}"
+    timeout_option = f"run.collective_timeout={format_duration(timeout)}"
     try:
-        with failing_together(timeout, option=option):
+        with failing_together(timeout, option=timeout_option):
             cfg = _agree_run_dir(cfg, group.world_size)
             run_dir = _prepare_run_dir(cfg)
             # Before any tier file is made: a run.dir a node does not share stops every rank.
@@ -391,7 +391,7 @@ def _explained(cfg: DictConfig, error: BaseException) -> str | None:
     for the errors the data, the tiers and the caches raise; None for any other."""
     if (e := _cause(error, CacheTooSmallError)) is not None:
         # With look-ahead the cache holds ``lookahead + 1`` batches at once.
-        lookahead = int(cfg.pipeline.get("lookahead", 0))
+        lookahead = lookahead_depth(cfg)
         also = (
             f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
             "batches besides the running one)"
@@ -496,7 +496,7 @@ def _replan(cfg: DictConfig, run_dir: Path, changed: str, world: int) -> bool:
     the plan by itself. The checkpoint's sharded tensors carry their global offsets, so
     loading them into the new plan's shards restores every row exactly."""
     before = planned_world_size(run_dir)
-    if not (bool(OmegaConf.select(cfg, "run.replan", default=False)) or before != world):
+    if not (bool(option(cfg, "run.replan")) or before != world):
         return False
     why = f"world size {before} -> {world}" if before != world else "run.replan=true"
     logger.warning(
@@ -514,9 +514,9 @@ def _train(
     lookahead = lookahead_depth(cfg)
     read_ahead = _read_ahead_batches(cfg)  # checked before anything is built
     schedule = Schedule.from_config(cfg)
-    eval_cap = _count_option(cfg, "run.eval_batches", minimum=0, default=None)
-    keep = _count_option(cfg, "run.keep_checkpoints", minimum=1, default=None)
-    full_every = _count_option(cfg, "run.full_checkpoint_every", minimum=1, default=1) or 1
+    eval_cap = _count_option(cfg, "run.eval_batches", minimum=0)
+    keep = _count_option(cfg, "run.keep_checkpoints", minimum=1)
+    full_every = _count_option(cfg, "run.full_checkpoint_every", minimum=1) or 1
     phases: dict[str, float] = {}
     warned: list[str] = []
     t0 = time.perf_counter()
@@ -528,7 +528,7 @@ def _train(
     first = _source(cfg, rank, world, Split.TRAIN, position.batch)
     held_out = _source(cfg, rank, world, Split.EVAL)
     probe = _on_all_ranks(lambda: _first_batches(cfg, first, held_out, eval_cap != 0), world)
-    tensorboard = bool(OmegaConf.select(cfg, "run.tensorboard", default=True))
+    tensorboard = bool(option(cfg, "run.tensorboard"))
     log = RunLog(
         run_dir,
         enabled=rank == 0,
