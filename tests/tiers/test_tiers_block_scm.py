@@ -15,7 +15,8 @@ from tier_helpers import exact_rows
 from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, _blockio, _linux
 from torchrec_mtrains.tiers import block_scm as block_module
 from torchrec_mtrains.tiers._blockio import AioEngine, AlignedBuffer, IOEngineKind, ThreadEngine
-from torchrec_mtrains.tiers.block_scm import BlockScmOptions, BlockSCMStore
+from torchrec_mtrains.tiers.block_scm import BlockSCMStore
+from torchrec_mtrains.tiers.options import BlockScmOptions
 from torchrec_mtrains.types import RowLayout
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from torchrec_mtrains.tiers import RowStoreError, _linux
 from torchrec_mtrains.tiers import byte_scm as byte_module
-from torchrec_mtrains.tiers.byte_scm import ByteScmOptions, ByteSCMStore
+from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
+from torchrec_mtrains.tiers.options import ByteScmOptions
 from torchrec_mtrains.types import RowLayout
 
 

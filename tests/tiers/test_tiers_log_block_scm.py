@@ -36,10 +36,10 @@ from torchrec_mtrains.tiers import (
 from torchrec_mtrains.tiers.block_scm import BlockSCMStore
 from torchrec_mtrains.tiers.log_block_scm import (
     CKPT_MAGIC,
-    LogBlockScmOptions,
     LogBlockSCMStore,
     index_bytes_per_row,
 )
+from torchrec_mtrains.tiers.options import LogBlockScmOptions
 from torchrec_mtrains.types import RowLayout
 
 HERE = Path(__file__).resolve().parent
@@ -518,7 +518,8 @@ _EXPORT_CHILD = """
 import sys, time
 from pathlib import Path
 import numpy as np
-from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore, LogBlockScmOptions
+from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
+from torchrec_mtrains.tiers.options import LogBlockScmOptions
 from torchrec_mtrains.types import RowLayout
 layout = RowLayout(3000, 16, 1)
 opts = LogBlockScmOptions.from_mapping(

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from torchrec_mtrains.tiers import OpenMode
-from torchrec_mtrains.tiers.byte_scm import ByteScmOptions, ByteSCMStore
+from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
+from torchrec_mtrains.tiers.options import ByteScmOptions
 
 if TYPE_CHECKING:
     from torchrec_mtrains.distributed.tiered_tables import TieredTableShard

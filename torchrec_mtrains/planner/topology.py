@@ -38,12 +38,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from torchrec_mtrains.tiers import (
     TIERS,
+    BlockIOOptions,
+    LogBlockScmOptions,
     TierOptions,
     default_layout,
     layouts_of,
     placement_options,
 )
-from torchrec_mtrains.tiers._blockio import PASS_BYTES
 from torchrec_mtrains.types import Tier
 
 if TYPE_CHECKING:
@@ -211,27 +212,26 @@ class BlockTierConfig(MemoryTierConfig):
 
     read_iops: float = 1.0
     write_iops: float = 1.0
-    block_size: int = 4096
-    queue_depth: int = 32
-    max_pass_bytes: int = PASS_BYTES
+    # The block stores' options of the same names: one default, one check (tiers.options).
+    block_size: int = BlockIOOptions.block_size
+    queue_depth: int = BlockIOOptions.queue_depth
+    max_pass_bytes: int = BlockIOOptions.max_pass_bytes
     layout: str = default_layout(Tier.BLOCK_SCM.value)
-    max_space_amplification: float = 2.0
+    max_space_amplification: float = LogBlockScmOptions.max_space_amplification
     cpu_ns_per_row: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive(self, ("read_iops", "write_iops"))
         _positive(self, ("cpu_ns_per_row",), allow_zero=True)
-        if self.block_size < 512 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 512, got {self.block_size}")
-        if self.queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
         layouts = sorted(layouts_of(Tier.BLOCK_SCM.value))
         if self.layout not in layouts:
             raise ValueError(f"layout must be one of {', '.join(layouts)}, got {self.layout!r}")
-        amp = self.max_space_amplification
-        if not (math.isfinite(amp) and amp >= 1.1):
-            raise ValueError(f"max_space_amplification must be >= 1.1, got {amp}")
+        shared = LogBlockScmOptions.hardware_fields  # the flat store's are a subset
+        try:
+            LogBlockScmOptions.from_mapping({f: getattr(self, f) for f in shared})
+        except ValueError as e:
+            raise ValueError(f"block_scm: {e}") from None
         self.access_bytes = self.block_size
 
 

@@ -5,8 +5,9 @@ and ``log_block_scm``. A store serves one placement tier (:class:`torchrec_mtrai
 in one file layout: ``log_block_scm`` is the block tier's log-structured layout, its default
 (:data:`DEFAULT_LAYOUTS`); the flat ``block_scm`` store is chosen by the block tier's options
 (``BlockScmOptions``, or ``{"layout": "flat"}``). Stores are never placed by name.
-A new tier is one new module defining a :class:`TierOptions` dataclass and a :class:`RowStore`
-subclass naming it as ``options_type``, decorated with :func:`register_tier`.
+The option types of every tier, and their checks, live in :mod:`torchrec_mtrains.tiers.options`.
+A new tier is an options dataclass there (a :class:`TierOptions`) and one new module defining a
+:class:`RowStore` subclass naming it as ``options_type``, decorated with :func:`register_tier`.
 """
 
 from torchrec_mtrains.tiers import (  # noqa: F401  (registers the stores)
@@ -15,7 +16,6 @@ from torchrec_mtrains.tiers import (  # noqa: F401  (registers the stores)
     dram,
     log_block_scm,
 )
-from torchrec_mtrains.tiers._blockio import IOEngineKind
 from torchrec_mtrains.tiers.base import (
     DEFAULT_LAYOUTS,
     TIERS,
@@ -24,7 +24,6 @@ from torchrec_mtrains.tiers.base import (
     OpenMode,
     RowStore,
     RowStoreError,
-    TierOptions,
     TierStats,
     default_layout,
     layouts_of,
@@ -34,14 +33,20 @@ from torchrec_mtrains.tiers.base import (
     resolve_options,
     tier_class,
 )
-from torchrec_mtrains.tiers.block_scm import BlockScmOptions
-from torchrec_mtrains.tiers.byte_scm import ByteScmOptions
-from torchrec_mtrains.tiers.dram import DramOptions
-from torchrec_mtrains.tiers.log_block_scm import LogBlockScmOptions
+from torchrec_mtrains.tiers.options import (
+    BlockIOOptions,
+    BlockScmOptions,
+    ByteScmOptions,
+    DramOptions,
+    IOEngineKind,
+    LogBlockScmOptions,
+    TierOptions,
+)
 
 __all__ = [
     "DEFAULT_LAYOUTS",
     "TIERS",
+    "BlockIOOptions",
     "BlockScmOptions",
     "ByteScmOptions",
     "DramOptions",

@@ -14,7 +14,6 @@ reaches its rated IOPS with many of them in flight. Two engines keep ``depth`` I
 from __future__ import annotations
 
 import ctypes
-import enum
 import errno
 import logging
 import mmap
@@ -27,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers import _linux
+from torchrec_mtrains.tiers.options import IOEngineKind
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ _IOCB_CMD_PWRITE = 1
 assert _IOCB.itemsize == 64 and _EVENT.itemsize == 32
 
 
-class IOEngineKind(str, enum.Enum):
-    """Which engine a block store issues its I/Os with."""
-
-    AUTO = "auto"  # AIO for O_DIRECT files where the kernel offers it, threads otherwise
-    AIO = "aio"
-    THREADS = "threads"
-
-
 class AlignedBuffer:
     """Page-aligned memory from an anonymous mapping, as O_DIRECT requires of user buffers."""
 
@@ -73,11 +65,6 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
         self.address: int = self.array.ctypes.data
 
-
-PASS_BYTES = 4 << 20
-"""Default buffer memory of one I/O pass of a block store (``max_pass_bytes``): 1,024 blocks of 4
-KiB, far more than the queue keeps in flight. A store keeps one pass's buffer idle between
-calls, so it holds at most two passes of buffers; the planner counts them as host memory."""
 
 IDLE_PASSES = 1  # buffers a store keeps idle between calls, in passes
 

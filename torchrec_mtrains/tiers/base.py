@@ -22,13 +22,10 @@ from __future__ import annotations
 import enum
 import errno
 import logging
-import numbers
 import os
 import stat
 import struct
 import threading
-import types
-import typing
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -40,6 +37,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from torchrec_mtrains.tiers.options import TierOptions
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -172,135 +170,6 @@ class FileHeader:
             raise HeaderMismatchError(
                 f"{path}: file was made for another table, dtype or tier: " + "; ".join(diffs)
             )
-
-
-_O = TypeVar("_O", bound="TierOptions")
-
-
-@dataclass(frozen=True)
-class TierOptions:
-    """How the stores of one tier are opened; each backend subclasses it with its own fields.
-
-    A subclass is a frozen dataclass that sets ``tier`` to the name of the tier it configures
-    and is named by that store class's ``options_type`` (:func:`register_tier` checks the pair).
-    Values are checked when an instance is made: each field against its annotation (a string
-    becomes the enum the field is annotated with; ``bool`` is not an ``int``), then
-    :meth:`validate`. Every error is a ``ValueError`` naming the tier and the option.
-
-    ``hardware_fields`` lists the fields that describe the device as the planner models it too:
-    the tier's hardware config (e.g. ``BlockTierConfig``) has fields of the same names, and
-    :func:`torchrec_mtrains.planner.topology.store_options` copies them from the host topology,
-    so a store runs with the queue depth and block size the perf model assumed.
-
-    Example::
-
-        options = TIERS["block_scm"].options_type.from_mapping({"queue_depth": 8})
-        store = open_store("block_scm", "/mnt/nvme0/run1", "t", layout, options=options)
-    """
-
-    tier: ClassVar[str] = ""
-    hardware_fields: ClassVar[tuple[str, ...]] = ()
-
-    def __post_init__(self) -> None:
-        hints = _field_hints(type(self))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            ok, converted = _convert(hints[f.name], value)
-            if not ok:
-                raise self.option_error(
-                    f.name, f"must be {_describe(hints[f.name])}, got {value!r}"
-                )
-            if converted is not value:
-                object.__setattr__(self, f.name, converted)
-        self.validate()
-
-    def validate(self) -> None:
-        """Checks the values beyond their types; raises :meth:`option_error` for a bad one."""
-
-    @classmethod
-    def option_error(cls, option: str, problem: str) -> ValueError:
-        """The error for a bad value of ``option``: ``tier 'block_scm' option 'queue_depth'
-        must be >= 1, got 0``."""
-        return ValueError(f"tier {cls.tier!r} option {option!r} {problem}")
-
-    @classmethod
-    def option_names(cls) -> tuple[str, ...]:
-        """The options this tier takes, in declaration order."""
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
-    def from_mapping(cls: type[_O], values: Mapping[str, Any]) -> _O:
-        """The options ``values`` (e.g. a config section) set, defaults for the rest.
-
-        Raises:
-            ValueError: for a key that is not an option of this tier (naming the tier, the key
-                and the allowed keys) or a bad value.
-        """
-        allowed = cls.option_names()
-        unknown = [str(k) for k in values if k not in allowed]
-        if unknown:
-            raise ValueError(
-                f"tier {cls.tier!r}: unknown option{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(map(repr, unknown))}; allowed: {', '.join(allowed) or '(none)'}"
-            )
-        return cls(**{str(k): v for k, v in values.items()})
-
-    def as_dict(self) -> dict[str, Any]:
-        """The options as plain values (enums as their values), for logs and benchmark JSON."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value.value if isinstance(value, enum.Enum) else value
-        return out
-
-
-def _field_hints(cls: type[TierOptions]) -> dict[str, Any]:
-    # Resolved here, not in the class body: ``from __future__ import annotations`` makes
-    # the annotations strings, evaluated in the subclass's module.
-    return typing.get_type_hints(cls)
-
-
-def _convert(hint: Any, value: Any) -> tuple[bool, Any]:
-    """Whether ``value`` fits the annotation ``hint``, and the value to store (an enum member
-    for its value, a float for an int)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
-            ok, converted = _convert(arg, value)
-            if ok:
-                return True, converted
-        return False, value
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        return ok, int(value) if ok and type(value) is not int else value
-    if hint is float:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        return ok, float(value) if ok and type(value) is not float else value
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return True, hint(value)
-        except ValueError:
-            return False, value
-    if isinstance(hint, type):
-        return isinstance(value, hint), value
-    return True, value
-
-
-_PLAIN_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _describe(hint: Any) -> str:
-    """What ``hint`` accepts, in words."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return "None"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return "one of " + ", ".join(repr(m.value) for m in hint)
-    return _PLAIN_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 @dataclass

@@ -25,11 +25,9 @@ import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
     IDLE_PASSES,
-    PASS_BYTES,
     AlignedBuffer,
     BufferPool,
     I64Array,
-    IOEngineKind,
     ThreadEngine,
     make_engine,
     merge_runs,
@@ -45,6 +43,7 @@ from torchrec_mtrains.tiers.base import (
     register_tier,
     resolve_options,
 )
+from torchrec_mtrains.tiers.options import BlockScmOptions
 from torchrec_mtrains.types import RowLayout
 
 
@@ -59,52 +58,6 @@ class _Geometry:
 
 
 _RowsView = tuple[npt.NDArray[Any], I64Array | None]
-
-
-@dataclass(frozen=True)
-class BlockScmOptions(TierOptions):
-    """How block-SCM stores are opened.
-
-    Args:
-        block_size: I/O unit in bytes, a power of two >= 512 (the device's logical block size
-            or a multiple of it for O_DIRECT). The perf model costs I/Os of this size.
-        queue_depth: I/Os kept in flight at once; the perf model's IOPS figures are measured
-            at this depth.
-        direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
-            with one warning per process where it does not, e.g. on older tmpfs).
-        engine: ``auto`` (native AIO for O_DIRECT files, threads otherwise), ``aio`` or
-            ``threads`` (:class:`IOEngineKind`; its value is accepted too).
-        max_io_bytes: cap on one merged I/O, so a long sequential read still spreads over the
-            queue; at least ``block_size``.
-        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
-
-    Example::
-
-        BlockScmOptions(block_size=4096, queue_depth=64, engine=IOEngineKind.AIO)
-    """
-
-    tier: ClassVar[str] = "block_scm"
-    hardware_fields: ClassVar[tuple[str, ...]] = ("block_size", "queue_depth", "max_pass_bytes")
-
-    block_size: int = 4096
-    queue_depth: int = 32
-    direct: bool = True
-    engine: IOEngineKind = IOEngineKind.AUTO
-    max_io_bytes: int = 1 << 20
-    max_pass_bytes: int = PASS_BYTES
-
-    def validate(self) -> None:
-        bs = self.block_size
-        if bs < 512 or bs & (bs - 1):
-            raise self.option_error("block_size", f"must be a power of two >= 512, got {bs}")
-        if self.queue_depth < 1:
-            raise self.option_error("queue_depth", f"must be >= 1, got {self.queue_depth}")
-        if self.max_io_bytes < bs:
-            raise self.option_error(
-                "max_io_bytes", f"({self.max_io_bytes}) must be >= block_size ({bs})"
-            )
-        if self.max_pass_bytes < 1:
-            raise self.option_error("max_pass_bytes", f"must be >= 1, got {self.max_pass_bytes}")
 
 
 @register_tier

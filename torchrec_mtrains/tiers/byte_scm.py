@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -37,35 +36,10 @@ from torchrec_mtrains.tiers.base import (
     register_tier,
     scatter_rows,
 )
+from torchrec_mtrains.tiers.options import ByteScmOptions
 from torchrec_mtrains.types import RowLayout
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ByteScmOptions(TierOptions):
-    """How byte-SCM stores are opened.
-
-    Args:
-        numa_node: bind the mapping's pages to this NUMA node (e.g. a CXL memory node);
-            ``None`` leaves placement to the kernel.
-        map_sync: ``None`` tries ``MAP_SYNC`` when the directory is on a DAX mount and falls
-            back to a plain shared mapping; ``True`` requires it; ``False`` never uses it.
-        preallocate: a new file's blocks are allocated when it is made, so a full device fails
-            there rather than as a SIGBUS at a later write. ``False`` leaves it sparse until
-            :meth:`ByteSCMStore.allocate`: for a copy that may never be filled (a
-            log-structured table's view), which should take no disk until it is.
-    """
-
-    tier: ClassVar[str] = "byte_scm"
-
-    numa_node: int | None = None
-    map_sync: bool | None = None
-    preallocate: bool = True
-
-    def validate(self) -> None:
-        if self.numa_node is not None and self.numa_node < 0:
-            raise self.option_error("numa_node", f"must be >= 0 or None, got {self.numa_node}")
 
 
 @register_tier

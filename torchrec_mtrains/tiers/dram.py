@@ -8,7 +8,6 @@ to the file, so flushing a large, mostly-read table is cheap.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +25,7 @@ from torchrec_mtrains.tiers.base import (
     register_tier,
     scatter_rows,
 )
+from torchrec_mtrains.tiers.options import DramOptions
 from torchrec_mtrains.types import RowLayout
 
 # Dirty tracking granularity: small enough that a flush after a few scattered writes moves
@@ -33,14 +33,6 @@ from torchrec_mtrains.types import RowLayout
 _CHUNK_BYTES = 1 << 20
 # Bytes per read/write system call when moving the array to or from its file.
 _IO_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class DramOptions(TierOptions):
-    """The DRAM tier takes no options (its file is written back only on flush); the class
-    exists so that every tier is configured the same way."""
-
-    tier: ClassVar[str] = "dram"
 
 
 @register_tier

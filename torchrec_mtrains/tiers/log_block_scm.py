@@ -58,11 +58,9 @@ import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
     IDLE_PASSES,
-    PASS_BYTES,
     AlignedBuffer,
     BufferPool,
     I64Array,
-    IOEngineKind,
     ThreadEngine,
     make_engine,
     merge_runs,
@@ -82,6 +80,7 @@ from torchrec_mtrains.tiers.base import (
     register_tier,
     resolve_options,
 )
+from torchrec_mtrains.tiers.options import LogBlockScmOptions
 from torchrec_mtrains.types import RowLayout
 
 _logger: logging.Logger = logging.getLogger(__name__)
@@ -104,73 +103,6 @@ _FREE, _USED = 0, 1
 
 U8Array = npt.NDArray[np.uint8]
 SlotArray = npt.NDArray[np.signedinteger[Any]]  # the row -> slot map: int32 or int64
-
-
-@dataclass(frozen=True)
-class LogBlockScmOptions(TierOptions):
-    """How log-structured block stores are opened.
-
-    Args:
-        block_size: I/O unit and alignment in bytes, a power of two >= 512. A file keeps the
-            block size it was made with (reopening with another is refused).
-        queue_depth: I/Os kept in flight at once (reads, and the pieces of one append).
-        direct: use ``O_DIRECT`` where the file system supports it (else buffered, warning once).
-        engine: ``auto``, ``aio`` or ``threads`` (:class:`IOEngineKind`), as for ``block_scm``.
-        max_io_bytes: cap on one I/O, so an append or a long read spreads over the queue.
-        max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
-        segment_bytes: unit of compaction, a multiple of ``block_size`` (small tables use
-            smaller segments). A file keeps the segment size it was made with.
-        max_space_amplification: the file's data region is at most this many times the
-            table's row bytes (or a few segments beyond the live rows for tiny tables); >= 1.1,
-            and the lower it is, the more compaction copies per row written. It holds while
-            the rows rewritten between two flushes fit in the free space a flush leaves (half
-            the dead space the bound allows); beyond that the file grows until a flush.
-
-    Example::
-
-        LogBlockScmOptions(queue_depth=64, max_space_amplification=1.5)
-    """
-
-    tier: ClassVar[str] = "log_block_scm"
-    hardware_fields: ClassVar[tuple[str, ...]] = (
-        "block_size",
-        "queue_depth",
-        "max_pass_bytes",
-        "max_space_amplification",
-    )
-
-    block_size: int = 4096
-    queue_depth: int = 32
-    direct: bool = True
-    engine: IOEngineKind = IOEngineKind.AUTO
-    max_io_bytes: int = 256 << 10
-    max_pass_bytes: int = PASS_BYTES
-    segment_bytes: int = 4 << 20
-    max_space_amplification: float = 2.0
-
-    def validate(self) -> None:
-        bs = self.block_size
-        if bs < 512 or bs & (bs - 1):
-            raise self.option_error("block_size", f"must be a power of two >= 512, got {bs}")
-        if self.queue_depth < 1:
-            raise self.option_error("queue_depth", f"must be >= 1, got {self.queue_depth}")
-        if self.max_io_bytes < bs:
-            raise self.option_error(
-                "max_io_bytes", f"({self.max_io_bytes}) must be >= block_size ({bs})"
-            )
-        if self.max_pass_bytes < 1:
-            raise self.option_error("max_pass_bytes", f"must be >= 1, got {self.max_pass_bytes}")
-        if self.segment_bytes < bs or self.segment_bytes % bs:
-            raise self.option_error(
-                "segment_bytes",
-                f"must be a positive multiple of block_size ({bs}), got {self.segment_bytes}",
-            )
-        amp = self.max_space_amplification
-        if not (math.isfinite(amp) and amp >= 1.1):
-            raise self.option_error(
-                "max_space_amplification",
-                f"must be a finite number >= 1.1 (compaction needs dead space), got {amp}",
-            )
 
 
 def index_dtype(file_slots: int) -> type[np.signedinteger[Any]]:
