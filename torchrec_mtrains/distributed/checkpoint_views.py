@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.tiers import OpenMode
 from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
 from torchrec_mtrains.tiers.options import ByteScmOptions
-
-if TYPE_CHECKING:
-    from torchrec_mtrains.distributed.tiered_tables import TieredTableShard
-
 
 VIEW_DIR = "views"
 """Subdirectory of a tier directory holding the exported copies of log-structured tables."""

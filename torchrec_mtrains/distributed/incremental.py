@@ -45,8 +45,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, TieredTableShard
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.tiers._linux import release_freed_memory
 
 CHANGED_PREFIX = "changed_rows::"

@@ -13,16 +13,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from torchrec_mtrains.cache.table_cache import CachePlan
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
-
-if TYPE_CHECKING:
-    from torchrec_mtrains.distributed.tiered_tables import TieredTableShard
+from torchrec_mtrains.distributed.table_shard import TieredTableShard
 
 # Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
 # CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.

@@ -29,11 +29,12 @@ from torchrec_mtrains.distributed.options import (
     shard_file_stem,
     tier_file_name,
 )
+from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
 from torchrec_mtrains.tiers._linux import release_freed_memory
-from torchrec_mtrains.tiers.base import OpenMode, RowStore, open_store
+from torchrec_mtrains.tiers.base import OpenMode, open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -46,50 +47,6 @@ INIT_CHUNK_BYTES = 4 << 20
 
 class TableIdError(IndexError):
     """A batch holds a row id outside its table (shard); nothing was written."""
-
-
-@dataclass
-class TieredTableShard:
-    """One table shard of a tiered kernel.
-
-    Attributes:
-        name: the table's name in the model.
-        store: the rows (weights + optimizer state) on their tier.
-        cache: slot bookkeeping for the cached rows.
-        weight_slots: the fused module's weights for this table, ``(cache_rows, cols)``.
-        state_slots: the fused module's optimizer states for this table, each
-            ``(cache_rows, width)``, in the order fbgemm lists them.
-        state_shapes: each state's per-row shape as fbgemm exposes it (``()`` for row-wise).
-        row_offset: first global row of this shard (non-zero for row-wise sharding).
-        col_offset: first global column (non-zero for column-wise sharding).
-        created: whether the store was created now (and so needs initial values).
-    """
-
-    name: str
-    store: RowStore
-    cache: TableCache
-    weight_slots: torch.Tensor
-    state_slots: list[torch.Tensor]
-    state_keys: list[str]
-    state_shapes: list[tuple[int, ...]]
-    row_offset: int
-    col_offset: int
-    created: bool
-
-    @property
-    def local_rows(self) -> int:
-        return self.store.layout.num_rows
-
-    @property
-    def cols(self) -> int:
-        return self.store.layout.dim
-
-    def stats(self) -> dict[str, float]:
-        out = self.cache.stats.as_dict()
-        out["cache_rows"] = float(self.cache.num_slots)
-        out["pinned_rows"] = float(int(self.cache.pinned.sum()))
-        out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
-        return out
 
 
 @dataclass
