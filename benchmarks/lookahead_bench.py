@@ -40,8 +40,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
+from apps.dlrm.config import CONF_DIR
 from apps.dlrm.data import build_dataloader
-from apps.dlrm.train import CONF_DIR, build_model
+from apps.dlrm.model import build_model
 from torchrec_mtrains.distributed.runtime import init_process_group, resolve_device
 from torchrec_mtrains.pipeline import (
     LookaheadTrainPipeline,
@@ -146,7 +147,10 @@ def run(
             losses.append(float(loss.detach()))
             steps.append(StepStats.between(before, snapshot(groups), time.perf_counter() - t))
     else:
-        with LookaheadTrainPipeline(model, optimizer, device, lookahead=lookahead) as pipeline:
+        piped: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+            model, optimizer, device, lookahead=lookahead
+        )
+        with piped as pipeline:
             it = itertools.islice(data, total)
             for _ in range(total):
                 loss_t, _, _ = pipeline.progress(it)

@@ -81,7 +81,7 @@ from torchrec_mtrains.planner import (
 from torchrec_mtrains.planner.shard_estimators import table_work
 from torchrec_mtrains.profiler import AccessProfile, TableInfo, profile_batches
 from torchrec_mtrains.tiers import OpenMode, open_store
-from torchrec_mtrains.types import RowLayout
+from torchrec_mtrains.types import RowLayout, Tier
 
 logger = logging.getLogger("perf_model_check")
 
@@ -165,7 +165,7 @@ def build(
         for name, (tier, factor) in placements.items():
             if tier != "fused":
                 plan[name] = TieredParameterSharding.wrap(
-                    plan[name], TieredTableOptions(tier=tier, cache_load_factor=factor)
+                    plan[name], TieredTableOptions(tier=Tier(tier), cache_load_factor=factor)
                 )
     model = DistributedModelParallel(
         ebc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
@@ -283,7 +283,7 @@ def calibrate_cache(root: Path, steps: int) -> dict[str, float]:
         return out
 
     design, target = [], []
-    TieredTableGroup.remap = timed_remap  # type: ignore[method-assign]
+    TieredTableGroup.remap = timed_remap  # type: ignore[method-assign,assignment]
     try:
         for zipf in (0.8, 1.2):
             for batch in (1024, 8192):
@@ -510,7 +510,7 @@ def predict(
         if tier == "fused":
             total = total + shard_step_time(Placement.FUSED_DRAM, work, host)
             continue
-        options = TieredTableOptions(tier=tier, cache_load_factor=factor)
+        options = TieredTableOptions(tier=Tier(tier), cache_load_factor=factor)
         cache = options.cache_rows(spec.rows)
         hit = access.hit_rate(cache, batch_size)
         hits[config.name] = hit
@@ -620,7 +620,8 @@ def check(args: argparse.Namespace) -> list[CheckResult]:
                 plan = None
                 placements = what if isinstance(what, dict) else None
                 if placements is None:
-                    planned_host = host if what is None else with_dram_budget(host, int(what))
+                    budget = what if isinstance(what, int) else None
+                    planned_host = host if budget is None else with_dram_budget(host, budget)
                     sharder = TieredEmbeddingBagCollectionSharder(
                         offer_tiered_kernel=True, fused_params=dict(FUSED)
                     )

@@ -821,7 +821,7 @@ def _exit_with(error: BaseException) -> NoReturn:
     sys.exit(2)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")  # type: ignore[untyped-decorator]  # Hydra is not followed
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         main(cfg)

@@ -48,11 +48,8 @@ from torchrec_mtrains.distributed.sharded_state import (
     chunk_sharded_tensor,
     init_sharded_tensor,
 )
-from torchrec_mtrains.distributed.tiered_tables import (
-    TableIdError,
-    TieredTableGroup,
-    TieredTableShard,
-)
+from torchrec_mtrains.distributed.table_shard import TieredTableShard
+from torchrec_mtrains.distributed.tiered_tables import TableIdError, TieredTableGroup
 from torchrec_mtrains.initializers import RowAddressedInit
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -39,11 +39,10 @@ from torchrec_mtrains.tiers.base import (
     OpenMode,
     RowArray,
     RowStore,
-    TierOptions,
     register_tier,
     resolve_options,
 )
-from torchrec_mtrains.tiers.options import BlockScmOptions
+from torchrec_mtrains.tiers.options import BlockScmOptions, TierOptions
 from torchrec_mtrains.types import RowLayout
 
 

@@ -31,12 +31,11 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
-    TierOptions,
     gather_rows,
     register_tier,
     scatter_rows,
 )
-from torchrec_mtrains.tiers.options import ByteScmOptions
+from torchrec_mtrains.tiers.options import ByteScmOptions, TierOptions
 from torchrec_mtrains.types import RowLayout
 
 logger: logging.Logger = logging.getLogger(__name__)

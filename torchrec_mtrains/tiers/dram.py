@@ -20,12 +20,11 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
-    TierOptions,
     gather_rows,
     register_tier,
     scatter_rows,
 )
-from torchrec_mtrains.tiers.options import DramOptions
+from torchrec_mtrains.tiers.options import DramOptions, TierOptions
 from torchrec_mtrains.types import RowLayout
 
 # Dirty tracking granularity: small enough that a flush after a few scattered writes moves

@@ -75,12 +75,11 @@ from torchrec_mtrains.tiers.base import (
     RowArray,
     RowStore,
     RowStoreError,
-    TierOptions,
     TierStats,
     register_tier,
     resolve_options,
 )
-from torchrec_mtrains.tiers.options import LogBlockScmOptions
+from torchrec_mtrains.tiers.options import LogBlockScmOptions, TierOptions
 from torchrec_mtrains.types import RowLayout
 
 _logger: logging.Logger = logging.getLogger(__name__)
