@@ -314,6 +314,48 @@ def test_a_flush_with_nothing_written_since_the_last_writes_no_checkpoint(tmp_pa
         assert store.log_stats.checkpoints == before + 1
 
 
+def test_reading_the_table_batch_by_batch_scans_the_index_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint reads a log batch after batch (ids, then rows, in any order): the rows of
+    each batch come from one grouping of the index by segment, not a scan of it per batch."""
+    rng = np.random.default_rng(9)
+    options = {**SMALL_OPTIONS, "max_pass_bytes": 4096}  # two segments a batch
+    with _store(tmp_path, SMALL, **options) as store:
+        expected = exact_rows(rng, SMALL.num_rows, SMALL.row_width, "fp32")
+        store.write_range(0, expected)
+        rewritten = rng.choice(SMALL.num_rows, 700, replace=False)
+        expected[rewritten] = exact_rows(rng, 700, SMALL.row_width, "fp32")
+        store.write_rows(rewritten, expected[rewritten])
+        store.flush()
+        scans = {"index": 0, "grouping": 0}
+        scan, group = store._scan, store._group_by_segment
+
+        def counted_scan(*args: Any) -> Any:
+            scans["index"] += 1
+            return scan(*args)
+
+        def counted_group() -> Any:
+            scans["grouping"] += 1
+            return group()
+
+        monkeypatch.setattr(store, "_scan", counted_scan)
+        monkeypatch.setattr(store, "_group_by_segment", counted_group)
+        batches = store.scan_batches()
+        assert len(batches) >= 20
+        seen = np.zeros(SMALL.num_rows, dtype=int)
+        for batch in reversed(batches):  # in any order
+            ids, rows = store.read_scan_batch(batch)
+            np.testing.assert_array_equal(store.scan_batch_ids(batch), ids)
+            np.testing.assert_array_equal(rows, expected[ids])
+            seen[ids] += 1
+        assert (seen == 1).all()
+        assert scans == {"index": 0, "grouping": 1}
+        store.write_rows(np.array([0]), expected[:1])  # a write: the grouping is made anew
+        ids, _ = store.read_scan_batch(store.scan_batches()[0])
+        assert scans["grouping"] == 2
+
+
 def test_the_index_is_four_bytes_a_row_and_widens_when_the_file_outgrows_int32_slots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -307,6 +307,8 @@ class LogBlockSCMStore(RowStore):
         self._generation = 0
         self._checkpointed_version = self.version  # the rows the last checkpoint recorded
         self._freed_since_drain = False
+        # Live rows' ids by segment, for reading the table batch by batch (_segment_rows).
+        self._by_segment: tuple[int, npt.NDArray[np.signedinteger[Any]], I64Array] | None = None
         try:
             self._recover()
         except BaseException:
@@ -427,7 +429,7 @@ class LogBlockSCMStore(RowStore):
 
     def read_scan_batch(self, batch: ScanBatch) -> tuple[I64Array, npt.NDArray[Any]]:
         """The ids and rows (``(rows, row_width)`` in storage dtype) of one of
-        :meth:`scan_batches`, in slot order.
+        :meth:`scan_batches`, segment by segment (ids ascending within one).
 
         Raises:
             RowStoreError: when the table was written since the batches were listed (they no
@@ -447,12 +449,9 @@ class LogBlockSCMStore(RowStore):
     def scan_batch_ids(self, batch: ScanBatch) -> I64Array:
         """The ids of one of :meth:`scan_batches`, in the order :meth:`read_scan_batch` gives
         its rows, from the index alone (no data is read)."""
-        ss = self.geometry.segment_slots
         with self._write_lock:
             self._check_scan(batch)
-            owners, _ = self._rows_between(
-                batch.first_segment * ss, (batch.first_segment + batch.segments) * ss
-            )
+            owners, _ = self._segment_rows(batch.first_segment, batch.segments)
         return owners
 
     def _check_scan(self, batch: ScanBatch) -> None:
@@ -464,14 +463,49 @@ class LogBlockSCMStore(RowStore):
 
     def _read_segments(self, first: int, count: int) -> tuple[I64Array, U8Array]:
         """The rows whose newest copy lies in segments ``first ..+count``, read in one
-        sequential pass: ids and raw rows (``(rows, row_bytes)`` bytes), in slot order."""
+        sequential pass: ids and raw rows (``(rows, row_bytes)`` bytes), segment by segment."""
         geo = self.geometry
         ss, sb, rb = geo.segment_slots, geo.segment_bytes, geo.row_bytes
         region = self._read_region(geo.data_offset + first * sb, count * sb)
-        owners, slots = self._rows_between(first * ss, (first + count) * ss)
+        owners, slots = self._segment_rows(first, count)
         # (segment, slot, byte) view of the run: no per-byte index to build.
         packed = region.reshape(count, sb)[:, : ss * rb].reshape(count, ss, rb)
         return owners, packed[slots // ss - first, slots % ss]
+
+    def _segment_rows(self, first: int, count: int) -> tuple[I64Array, I64Array]:
+        """The rows whose newest copy lies in segments ``first ..+count``, ids and slots,
+        segment by segment. They come from every live row's id grouped by segment, made by one
+        scan of the index and kept until the next write: a table read batch by batch would
+        otherwise scan the whole index once per batch (~850 times for a 14M-row table)."""
+        if self._by_segment is None or self._by_segment[0] != self.version:
+            self._by_segment = None  # the stale grouping's memory first
+            self._by_segment = (self.version, *self._group_by_segment())
+        _, ids, starts = self._by_segment
+        picked = ids[starts[first] : starts[first + count]].astype(np.int64)
+        return picked, self._loc[picked].astype(np.int64)
+
+    def _group_by_segment(self) -> tuple[npt.NDArray[np.signedinteger[Any]], I64Array]:
+        """Every live row's id, grouped by the segment of its newest copy (ids ascending
+        within one), and where each segment's group starts: 4 bytes a live row (8 past 2^31
+        rows), scratch memory bounded by the scan's chunks."""
+        ss = self.geometry.segment_slots
+        starts = np.concatenate(([0], np.cumsum(self._live))).astype(np.int64)
+        ids = np.empty(
+            int(starts[-1]), dtype=np.int32 if self.layout.num_rows < 2**31 else np.int64
+        )
+        fill = starts[:-1].copy()
+        loc = self._loc
+        for start in range(0, loc.size, _SCAN_CHUNK):
+            piece = loc[start : start + _SCAN_CHUNK]
+            live = np.flatnonzero(piece >= 0)
+            segment = piece[live] // ss
+            order = np.argsort(segment, kind="stable")
+            segment, live = segment[order], live[order] + start
+            found, first, counts = np.unique(segment, return_index=True, return_counts=True)
+            rank = np.arange(segment.size) - np.repeat(first, counts)
+            ids[fill[segment] + rank] = live
+            fill[found] += counts
+        return ids, starts
 
     def _scan_rows(self) -> Iterator[tuple[I64Array, U8Array]]:
         """Every live row of the log, batch by batch (:meth:`scan_batches`): ids and raw rows
@@ -872,6 +906,7 @@ class LogBlockSCMStore(RowStore):
 
     def _point(self, ids: IdArray, new: I64Array) -> None:
         """Points ``ids`` at ``new`` slots (now on the medium) and frees segments left empty."""
+        self._by_segment = None  # rows moved: the grouping is stale (and its memory freed now)
         ss = self.geometry.segment_slots
         old = self._loc[ids]
         old = old[old >= 0]
@@ -992,6 +1027,7 @@ class LogBlockSCMStore(RowStore):
         about to be reused), the file back to its bound."""
         self._gate.drain()  # reads that looked rows up finish before their segments are reused
         self._freed_since_drain = False
+        self._by_segment = None
         self._loc[:] = -1
         self._live[:] = 0
         self._state[:] = _FREE
