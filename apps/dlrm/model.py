@@ -78,7 +78,8 @@ def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
 
     A new run creates its files (an existing one is an error); a resumed run opens them and
     creates a missing one, which loading the checkpoint then fills with every row (the
-    checkpoint holds them all), so a deleted tier file does not make the run unresumable."""
+    checkpoint holds them all), so a deleted tier file does not make the run unresumable. Such
+    a file is not initialized first: the load writes every row of it."""
     hw = cfg.hardware
     try:
         return TierStorage(
@@ -87,6 +88,7 @@ def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
             # The planner's figures (block size, queue depth), so the stores run as it assumed.
             tier_options=store_options(topology_from_config(hw)),
             open_mode=OpenMode.OPEN_OR_CREATE if resume else OpenMode.CREATE,
+            initialize_created=not resume,
         )
     except ValueError as e:
         raise ConfigError(f"hardware: {e}") from None

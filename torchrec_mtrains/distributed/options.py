@@ -178,6 +178,9 @@ class TierStorage:
             refuses to overwrite it, ``open`` resumes from it, ``truncate`` replaces it.
         checkpoint_chunk_rows: rows per chunk when checkpoints read or write a tiered table,
             bounding the memory a save or load needs.
+        initialize_created: a table file created now gets the table's initial values
+            (``init_fn``). ``False`` leaves its rows zero, for a resume whose checkpoint writes
+            every row next (filling a large table only to replace it doubles the writes).
     """
 
     root: str = "runs/tiers"
@@ -185,6 +188,7 @@ class TierStorage:
     tier_options: Mapping[str, TierOptions | Mapping[str, Any]] = field(default_factory=dict)
     open_mode: OpenMode = OpenMode.CREATE
     checkpoint_chunk_rows: int = 65_536
+    initialize_created: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "open_mode", OpenMode(self.open_mode))

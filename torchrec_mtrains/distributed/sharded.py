@@ -508,7 +508,7 @@ class _TieredShardedMixin:
             if init_fn is None:
                 raise ValueError(f"table {name!r} has no init_fn")
             for group, _, shard in self._tiered_shards(name):
-                if shard.created:
+                if shard.created and self._tier_storage.initialize_created:
                     group.initialize(shard, init_fn, chunk)
         self._pin_hot_rows()
 
