@@ -366,7 +366,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             run_dir = _prepare_run_dir(cfg)
             # Before any tier file is made: a run.dir a node does not share stops every rank.
             check_shared_run_dir(run_dir, group.rank, group.world_size)
-            return _train(cfg, run_dir, group.rank, group.world_size, group.device)
+            return _Trainer(cfg, run_dir, group.rank, group.world_size, group.device).run()
     finally:
         if group.created:  # (failing_together has aborted it after an error)
             end_process_group()
@@ -507,44 +507,96 @@ def _replan(cfg: DictConfig, run_dir: Path, changed: str, world: int) -> bool:
     return True
 
 
-def _train(
-    cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
-) -> dict[str, Any]:
-    torch.manual_seed(int(cfg.run.seed))
-    lookahead = lookahead_depth(cfg)
-    read_ahead = _read_ahead_batches(cfg)  # checked before anything is built
-    schedule = Schedule.from_config(cfg)
-    eval_cap = _count_option(cfg, "run.eval_batches", minimum=0)
-    keep = _count_option(cfg, "run.keep_checkpoints", minimum=1)
-    full_every = _count_option(cfg, "run.full_checkpoint_every", minimum=1) or 1
-    phases: dict[str, float] = {}
-    warned: list[str] = []
-    t0 = time.perf_counter()
-    # The finished checkpoints to try, newest first; none: the run starts (over, in place).
-    candidates = resume_candidates(cfg, run_dir, rank, world)
-    last = candidates[0] if candidates else None
-    start_step = last[0] if last is not None else 0
-    position = checkpoint_position(last[1]) if last is not None else Position(0, 0)
-    first = _source(cfg, rank, world, Split.TRAIN, position.batch)
-    held_out = _source(cfg, rank, world, Split.EVAL)
-    probe = _on_all_ranks(lambda: _first_batches(cfg, first, held_out, eval_cap != 0), world)
-    tensorboard = bool(option(cfg, "run.tensorboard"))
-    log = RunLog(
-        run_dir,
-        enabled=rank == 0,
-        tensorboard=tensorboard,
-        resumed_at=start_step if last is not None else None,
-    )
-    if last is None:
-        _on_all_ranks(lambda: start_over(cfg, run_dir, rank), world)
-    files_before = tier_files(cfg, rank)
+class _Trainer:
+    """One rank's run, as its steps read: :meth:`run` finds where the run starts, builds the
+    model (vetting the plan before any tier file exists), loads the checkpoint, trains with
+    periodic checkpoints, saves the final one, evaluates and reports. Options are read and
+    checked when it is made, before anything is built."""
 
-    def vet_plan(plan: EmbeddingModuleShardingPlan, hot_rows: Any) -> None:
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = rank
+        self.world = world
+        self.device = device
+        torch.manual_seed(int(cfg.run.seed))
+        self.lookahead = lookahead_depth(cfg)
+        self.read_ahead = _read_ahead_batches(cfg)
+        self.schedule = Schedule.from_config(cfg)
+        self.eval_cap = _count_option(cfg, "run.eval_batches", minimum=0)
+        self.keep = _count_option(cfg, "run.keep_checkpoints", minimum=1)
+        self.full_every = _count_option(cfg, "run.full_checkpoint_every", minimum=1) or 1
+        self.tensorboard = bool(option(cfg, "run.tensorboard"))
+        self.phases: dict[str, float] = {}
+        self.warned: list[str] = []
+        self.saves: list[dict[str, Any]] = []
+
+    def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._find_start()
+        model, optimizer, plan_text, file_counts = self._build()
+        self.phases["build"] = time.perf_counter() - t0
+        if self.last is not None:
+            self._restore(model, optimizer)
+        self._announce(plan_text)
+        return self._train_and_report(model, optimizer, file_counts)
+
+    # ------------------------------------------------------------------- where it starts
+
+    def _find_start(self) -> None:
+        """The finished checkpoints to try, newest first (none: the run starts, over in place),
+        the data position after the newest, and the first batches every rank checks."""
+        cfg, rank, world = self.cfg, self.rank, self.world
+        self.candidates = resume_candidates(cfg, self.run_dir, rank, world)
+        self.last = self.candidates[0] if self.candidates else None
+        self.start_step = self.last[0] if self.last is not None else 0
+        self.position = (
+            checkpoint_position(self.last[1]) if self.last is not None else Position(0, 0)
+        )
+        self.first = _source(cfg, rank, world, Split.TRAIN, self.position.batch)
+        self.held_out = _source(cfg, rank, world, Split.EVAL)
+        self.probe = _on_all_ranks(
+            lambda: _first_batches(cfg, self.first, self.held_out, self.eval_cap != 0), world
+        )
+        self.log = self._run_log()
+        if self.last is None:
+            _on_all_ranks(lambda: start_over(cfg, self.run_dir, rank), world)
+
+    def _run_log(self) -> RunLog:
+        return RunLog(
+            self.run_dir,
+            enabled=self.rank == 0,
+            tensorboard=self.tensorboard,
+            resumed_at=self.start_step if self.last is not None else None,
+        )
+
+    # ------------------------------------------------------------------------ the model
+
+    def _build(self) -> tuple[DistributedModelParallel, CombinedOptimizer, str, torch.Tensor]:
+        """The model and optimizer, and how many tier files were created and reopened (summed
+        over ranks)."""
+        files_before = tier_files(self.cfg, self.rank)
+        with _errors_explained(self.cfg):
+            model, optimizer, plan_text = build_model(
+                self.cfg, self.world, self.last is not None, self.device, before_build=self._vet
+            )
+        files_after = tier_files(self.cfg, self.rank)
+        self.rebuilt = sorted(set(files_after) - set(files_before))
+        reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
+        counts = torch.tensor([len(files_after) - reopened, reopened], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(counts)
+        return model, optimizer, plan_text, counts
+
+    def _vet(self, plan: EmbeddingModuleShardingPlan, hot_rows: Any) -> None:
         """Before any tier file is created or opened: caches that cannot hold the first batch,
         a plan other than the checkpoint's and tier files that would not fit their disks stop
         the run; a new run records its plan (and so its tier files, which a rerun may then
         remove to start over)."""
-        record = plan_record(cfg, plan, world, device.type)
+        cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
+        record = plan_record(cfg, plan, world, self.device.type)
         if world > 1:  # each rank names its own files: tier roots may differ between nodes
             mine: list[object] = [None] * world
             dist.all_gather_object(mine, record["files"].get(str(rank), []))
@@ -564,9 +616,9 @@ def _train(
 
         def check() -> None:
             nonlocal replanned
-            if probe is not None:
-                check_cache_sizes(cfg, plan, probe, hot_rows)
-            changed = plan_changes(run_dir, record) if last is not None else None
+            if self.probe is not None:
+                check_cache_sizes(cfg, plan, self.probe, hot_rows)
+            changed = plan_changes(run_dir, record) if self.last is not None else None
             if changed is not None:
                 replanned = _replan(cfg, run_dir, changed, world)
                 if not replanned:
@@ -579,205 +631,229 @@ def _train(
         if replanned:
             # Every rank's old files must be gone before any rank creates the new plan's.
             _on_all_ranks(lambda: drop_old_tier_files(run_dir, rank, world), world)
-        if rank == 0 and (last is None or replanned or not (run_dir / PLAN_FILE).exists()):
+        if rank == 0 and (self.last is None or replanned or not (run_dir / PLAN_FILE).exists()):
             save_plan(run_dir, record)
 
-    with _errors_explained(cfg):
-        model, optimizer, plan_text = build_model(
-            cfg, world, last is not None, device, before_build=vet_plan
-        )
-    files_after = tier_files(cfg, rank)
-    reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
-    file_counts = torch.tensor([len(files_after) - reopened, reopened], device=device)
-    if world > 1:
-        dist.all_reduce(file_counts)
-    phases["build"] = time.perf_counter() - t0
-    if last is not None:
+    def _restore(self, model: DistributedModelParallel, optimizer: CombinedOptimizer) -> None:
+        """Loads the newest checkpoint that loads (falling back past a damaged one)."""
+        assert self.last is not None
         t0 = time.perf_counter()
-        loaded = load_newest(model, optimizer, candidates, rank)
-        if loaded != last:  # fell back past a damaged checkpoint: continue from the older one
-            last = loaded
-            start_step = last[0]
-            position = checkpoint_position(last[1])
-            first = _source(cfg, rank, world, Split.TRAIN, position.batch)
-            log = RunLog(run_dir, rank == 0, tensorboard, resumed_at=start_step)
-        phases["restore"] = time.perf_counter() - t0
-        rebuilt = sorted(set(files_after) - set(files_before))
-        if rebuilt:
+        loaded = load_newest(model, optimizer, self.candidates, self.rank)
+        if loaded != self.last:  # fell back past a damaged checkpoint: continue from the older
+            self.last = loaded
+            self.start_step = loaded[0]
+            self.position = checkpoint_position(loaded[1])
+            self.first = _source(self.cfg, self.rank, self.world, Split.TRAIN, self.position.batch)
+            self.log = self._run_log()
+        self.phases["restore"] = time.perf_counter() - t0
+        if self.rebuilt:
             logger.warning(
                 "rank %d: rebuilt %d missing tier file(s) from checkpoint %s: %s",
-                rank,
-                len(rebuilt),
-                last[1],
-                ", ".join(rebuilt),
+                self.rank,
+                len(self.rebuilt),
+                self.last[1],
+                ", ".join(self.rebuilt),
             )
         logger.info(
-            "resumed from %s at step %d (epoch %d, batch %d)", last[1], start_step, *position
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            self.last[1],
+            self.start_step,
+            *self.position,
         )
-    if rank == 0:
-        (run_dir / "plan.txt").write_text(plan_text + "\n")
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        ranks = f"{world} rank{'s' if world > 1 else ''} on {device.type}"
-        print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
 
-    batch_size = int(cfg.data.batch_size)
-    model.train()
-    progress = Progress(
-        total=schedule.total(len(first) + position.batch if isinstance(first, Sized) else None),
-        initial=start_step,
-        enabled=rank == 0 and bool(cfg.run.progress),
-        every_s=float(cfg.run.progress_every_s),
-    )
-    log_every = max(1, int(cfg.run.log_every))
-    window = TrainWindow(model, batch_size, device)
-    losses: list[float] = []
-    samples = 0  # this rank's
-    groups = tiered_groups(model)
-    if full_every > 1:
-        track_changes(groups)  # incremental checkpoints write only the rows training changed
-    io_before = snapshot(groups)
-    timed_start = time.perf_counter()
-    ckpt_every = int(cfg.run.checkpoint_every)
-    state = _DataState()
-    training_batches = _training_batches(
-        cfg, rank, world, device, schedule, position, first, state, read_ahead
-    )
-    stream: Iterator[Batch] = training_batches
-    if schedule.steps is not None:
-        stream = itertools.islice(stream, max(0, schedule.steps - start_step))
-    step_fn = _plain_step(model, optimizer, stream, device)
-    pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
-    if lookahead:
-        pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=lookahead)
-        step_fn = _pipelined_step(pipeline, stream)
-    running = pipeline if pipeline is not None else contextlib.nullcontext()
-    step, saved = start_step, last
-    saves: list[dict[str, Any]] = []
+    def _announce(self, plan_text: str) -> None:
+        if self.rank == 0:
+            (self.run_dir / "plan.txt").write_text(plan_text + "\n")
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            ranks = f"{self.world} rank{'s' if self.world > 1 else ''} on {self.device.type}"
+            print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
 
-    def checkpoint(full: bool = False) -> tuple[int, Path]:
-        """Saves at ``step``: incremental on the last saved or loaded checkpoint when due."""
-        parent = None if full else next_parent(saved[1] if saved else None, full_every)
-        started = time.perf_counter()
-        path = save_checkpoint(model, optimizer, run_dir, step, position, keep, parent)
-        saves.append(
-            {
-                "step": step,
-                "parent": parent.name if parent is not None else None,
-                "seconds": time.perf_counter() - started,
-                "bytes": checkpoint_bytes(path) if rank == 0 else None,
+    # ------------------------------------------------------------------------ training
+
+    def _train_and_report(
+        self,
+        model: DistributedModelParallel,
+        optimizer: CombinedOptimizer,
+        file_counts: torch.Tensor,
+    ) -> dict[str, Any]:
+        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        schedule, position = self.schedule, self.position
+        batch_size = int(cfg.data.batch_size)
+        model.train()
+        first = self.first
+        progress = Progress(
+            total=schedule.total(len(first) + position.batch if isinstance(first, Sized) else None),
+            initial=self.start_step,
+            enabled=rank == 0 and bool(cfg.run.progress),
+            every_s=float(cfg.run.progress_every_s),
+        )
+        log_every = max(1, int(cfg.run.log_every))
+        window = TrainWindow(model, batch_size, device)
+        losses: list[float] = []
+        samples = 0  # this rank's
+        groups = tiered_groups(model)
+        if self.full_every > 1:
+            track_changes(groups)  # incremental checkpoints write only the rows training changed
+        io_before = snapshot(groups)
+        timed_start = time.perf_counter()
+        ckpt_every = int(cfg.run.checkpoint_every)
+        state = _DataState()
+        training_batches = _training_batches(
+            cfg, rank, world, device, schedule, position, first, state, self.read_ahead
+        )
+        stream: Iterator[Batch] = training_batches
+        if schedule.steps is not None:
+            stream = itertools.islice(stream, max(0, schedule.steps - self.start_step))
+        step_fn = _plain_step(model, optimizer, stream, device)
+        pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
+        if self.lookahead:
+            pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=self.lookahead)
+            step_fn = _pipelined_step(pipeline, stream)
+        running = pipeline if pipeline is not None else contextlib.nullcontext()
+        step, saved = self.start_step, self.last
+
+        def checkpoint(full: bool = False) -> tuple[int, Path]:
+            """Saves at ``step``: incremental on the last saved or loaded checkpoint when due."""
+            parent = None if full else next_parent(saved[1] if saved else None, self.full_every)
+            started = time.perf_counter()
+            path = save_checkpoint(
+                model, optimizer, self.run_dir, step, position, self.keep, parent
+            )
+            self.saves.append(
+                {
+                    "step": step,
+                    "parent": parent.name if parent is not None else None,
+                    "seconds": time.perf_counter() - started,
+                    "bytes": checkpoint_bytes(path) if rank == 0 else None,
+                }
+            )
+            return step, path
+
+        def report() -> dict[str, str]:
+            """A collective: the window's numbers to the history, TensorBoard and progress."""
+            record = window.report()
+            self.log.train(step, position.epoch, record)
+            return {
+                "samples_s": f"{record['samples_per_s']:,.0f}",
+                "loss": f"{record['loss']:.4f}",
+                "hit": "n/a" if record["hit_rate"] is None else f"{record['hit_rate']:.3f}",
+                "stall": f"{record['stall_share']:.1%}",
             }
-        )
-        return step, path
 
-    def report() -> dict[str, str]:
-        """A collective: the window's numbers to the history, TensorBoard and progress."""
-        record = window.report()
-        log.train(step, position.epoch, record)
-        return {
-            "samples_s": f"{record['samples_per_s']:,.0f}",
-            "loss": f"{record['loss']:.4f}",
-            "hit": "n/a" if record["hit_rate"] is None else f"{record['hit_rate']:.3f}",
-            "stall": f"{record['stall_share']:.1%}",
+        try:
+            with _errors_explained(cfg, self.run_dir), running:
+                while schedule.steps is None or step < schedule.steps:
+                    try:
+                        loss, logits, labels = step_fn()
+                    except StopIteration:
+                        break
+                    step += 1
+                    position = state.trained()
+                    losses.append(loss)
+                    samples += int(labels.numel())
+                    window.add(loss, logits, labels)
+                    progress.update(report() if step % log_every == 0 else None)
+                    if ckpt_every and step % ckpt_every == 0:
+                        # The last step's checkpoint is the run's final one: always full.
+                        final = step == schedule.steps and cfg.run.final_checkpoint
+                        saved = checkpoint(full=final)
+                if window.steps:
+                    progress.show(report())  # the last steps, short of a whole window
+            progress.close()
+            elapsed = time.perf_counter() - timed_start
+            io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
+            all_samples = torch.tensor([samples], dtype=torch.float64, device=device)
+            if world > 1:
+                dist.all_reduce(all_samples)
+            self.warned.extend(_short_of_schedule(cfg, schedule, state, step))
+            self.phases["train"] = elapsed
+
+            # Saved before evaluation, so a failure there loses no training.
+            ckpt: Path | None
+            if not cfg.run.final_checkpoint:
+                # The tiers hold the trained rows, but only a finished checkpoint resumes.
+                found = last_checkpoint(self.run_dir)
+                ckpt = found[1] if found is not None else None
+            elif (
+                saved is not None
+                and saved[0] == step
+                and not (self.saves and self.saves[-1]["parent"])
+            ):
+                ckpt = saved[1]  # nothing new to save
+            else:
+                # Full, so that it loads alone (an export any dcp user can read); an incremental
+                # one of the same step is replaced.
+                saved = checkpoint(full=True)
+                ckpt = saved[1]
+            # Every checkpoint's time, the periodic ones included (which the training time,
+            # measured around the loop, also holds).
+            self.phases["checkpoint"] = sum(float(one["seconds"]) for one in self.saves)
+            result = self._evaluate(model, step, batch_size)
+        finally:
+            training_batches.close()  # stops the data read-ahead thread
+            self.log.close()
+        epoch_batches = state.epoch_batches
+        finished = epoch_batches is not None and position.batch >= epoch_batches
+        stats = gathered_tier_stats(model, world)
+        tail = losses[-max(1, len(losses) // 10) :]
+        metrics: dict[str, Any] = {
+            "world_size": world,
+            "steps": step,
+            "resumed_from_step": self.start_step if self.last is not None else None,
+            "epochs_completed": position.epoch + int(finished),
+            "batches_per_epoch": epoch_batches,
+            "samples_per_s": float(all_samples) / elapsed if elapsed > 0 else 0.0,
+            "seconds": self.phases,
+            "train_loss_last": losses[-1] if losses else None,
+            # This rank's first losses of this run, exact: two plans of one model (e.g. every
+            # table FUSED, and tiered) train to the same ones from the same start.
+            "train_losses_first": losses[:FIRST_LOSSES],
+            "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
+            "eval_auc": result.auc if result else None,
+            "eval_ne": result.ne if result else None,
+            "eval_calibration": result.calibration if result else None,
+            "eval_samples": result.samples if result else 0,
+            "eval_batches": result.batches if result else 0,
+            "cache_hit_rate": hit_rate(stats),
+            "lookahead": self.lookahead,
+            **io_train,
+            "tables": stats,
+            "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
+            "checkpoint": str(ckpt) if ckpt is not None else None,
+            "checkpoints_saved": self.saves,
+            "run_dir": str(self.run_dir),
+            "warnings": self.warned,
         }
+        return self._report(metrics)
 
-    try:
-        with _errors_explained(cfg, run_dir), running:
-            while schedule.steps is None or step < schedule.steps:
-                try:
-                    loss, logits, labels = step_fn()
-                except StopIteration:
-                    break
-                step += 1
-                position = state.trained()
-                losses.append(loss)
-                samples += int(labels.numel())
-                window.add(loss, logits, labels)
-                progress.update(report() if step % log_every == 0 else None)
-                if ckpt_every and step % ckpt_every == 0:
-                    # The last step's checkpoint is the run's final one: always full.
-                    saved = checkpoint(full=step == schedule.steps and cfg.run.final_checkpoint)
-            if window.steps:
-                progress.show(report())  # the last steps, short of a whole window
-        progress.close()
-        elapsed = time.perf_counter() - timed_start
-        io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
-        all_samples = torch.tensor([samples], dtype=torch.float64, device=device)
-        if world > 1:
-            dist.all_reduce(all_samples)
-        warned.extend(_short_of_schedule(cfg, schedule, state, step))
-        phases["train"] = elapsed
-
-        # Saved before evaluation, so a failure there loses no training.
-        ckpt: Path | None
-        if not cfg.run.final_checkpoint:
-            # The tiers hold the trained rows, but only a finished checkpoint can be resumed from.
-            found = last_checkpoint(run_dir)
-            ckpt = found[1] if found is not None else None
-        elif saved is not None and saved[0] == step and not (saves and saves[-1]["parent"]):
-            ckpt = saved[1]  # nothing new to save
-        else:
-            # Full, so that it loads alone (an export any dcp user can read); an incremental
-            # one of the same step is replaced.
-            saved = checkpoint(full=True)
-            ckpt = saved[1]
-        # Every checkpoint's time, the periodic ones included (which the training time, measured
-        # around the loop, also holds).
-        phases["checkpoint"] = sum(float(saved_one["seconds"]) for saved_one in saves)
+    def _evaluate(
+        self, model: DistributedModelParallel, step: int, batch_size: int
+    ) -> EvalResult | None:
         t0 = time.perf_counter()
         result: EvalResult | None = None
-        if eval_cap != 0:
-            batches, _ = _in_step(held_out, world, device, read_ahead)
+        if self.eval_cap != 0:
+            batches, _ = _in_step(self.held_out, self.world, self.device, self.read_ahead)
             try:
-                with _errors_explained(cfg, run_dir):
+                with _errors_explained(self.cfg, self.run_dir):
                     result = evaluate(
-                        model, itertools.islice(batches, eval_cap), device, batch_size
+                        model, itertools.islice(batches, self.eval_cap), self.device, batch_size
                     )
             finally:
                 batches.close()  # stops its read-ahead thread
-            log.eval(step, result)
-            warned.extend(_eval_warnings(cfg, result, world))
-        phases["eval"] = time.perf_counter() - t0
-    finally:
-        training_batches.close()  # stops the data read-ahead thread
-        log.close()
-    stats = gathered_tier_stats(model, world)
-    tail = losses[-max(1, len(losses) // 10) :]
-    epoch_batches = state.epoch_batches
-    finished = epoch_batches is not None and position.batch >= epoch_batches
-    metrics: dict[str, Any] = {
-        "world_size": world,
-        "steps": step,
-        "resumed_from_step": start_step if last is not None else None,
-        "epochs_completed": position.epoch + int(finished),
-        "batches_per_epoch": epoch_batches,
-        "samples_per_s": float(all_samples) / elapsed if elapsed > 0 else 0.0,
-        "seconds": phases,
-        "train_loss_last": losses[-1] if losses else None,
-        # This rank's first losses of this run, exact: two plans of one model (e.g. every
-        # table FUSED, and tiered) train to the same ones from the same start.
-        "train_losses_first": losses[:FIRST_LOSSES],
-        "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
-        "eval_auc": result.auc if result else None,
-        "eval_ne": result.ne if result else None,
-        "eval_calibration": result.calibration if result else None,
-        "eval_samples": result.samples if result else 0,
-        "eval_batches": result.batches if result else 0,
-        "cache_hit_rate": hit_rate(stats),
-        "lookahead": lookahead,
-        **io_train,
-        "tables": stats,
-        "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
-        "checkpoint": str(ckpt) if ckpt is not None else None,
-        "checkpoints_saved": saves,
-        "run_dir": str(run_dir),
-        "warnings": warned,
-    }
-    if rank == 0:
-        for message in warned:
-            logger.warning("%s", message)
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        print(summary(metrics, run_dir), flush=True)
-    return metrics
+            self.log.eval(step, result)
+            self.warned.extend(_eval_warnings(self.cfg, result, self.world))
+        self.phases["eval"] = time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------------ reporting
+
+    def _report(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        if self.rank == 0:
+            for message in self.warned:
+                logger.warning("%s", message)
+            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            print(summary(metrics, self.run_dir), flush=True)
+        return metrics
 
 
 def _plain_step(

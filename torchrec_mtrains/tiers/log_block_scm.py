@@ -490,9 +490,8 @@ class LogBlockSCMStore(RowStore):
         rows), scratch memory bounded by the scan's chunks."""
         ss = self.geometry.segment_slots
         starts = np.concatenate(([0], np.cumsum(self._live))).astype(np.int64)
-        ids = np.empty(
-            int(starts[-1]), dtype=np.int32 if self.layout.num_rows < 2**31 else np.int64
-        )
+        width = np.int32 if self.layout.num_rows < 2**31 else np.int64
+        ids: npt.NDArray[np.signedinteger[Any]] = np.empty(int(starts[-1]), dtype=width)
         fill = starts[:-1].copy()
         loc = self._loc
         for start in range(0, loc.size, _SCAN_CHUNK):
