@@ -1,0 +1,638 @@
+"""One rank's training run: the steps of :class:`Trainer` (find where the run starts, build the
+model, vetting its plan before any tier file exists, restore, train with checkpoints, evaluate,
+report) and the data plumbing they use (batches in step across ranks, read ahead, cut to the
+schedule). ``train.main`` sets up the process group and hands a run to it.
+
+Training runs ``run.epochs`` passes over the training split, cut short at ``run.steps`` steps;
+evaluation reads the held-out split only. Every step and every evaluated batch is a collective
+(the sharded embeddings exchange ids), so all ranks run the same number of them: a rank whose
+data runs out ends the epoch for all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Sized
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import EmbeddingModuleShardingPlan
+from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from apps.dlrm.batches import (
+    DataState,
+    Schedule,
+    count_option,
+    in_step,
+    read_ahead_batches,
+    short_of_schedule,
+    source,
+    training_batches,
+)
+from apps.dlrm.checkpoints import (
+    PLAN_FILE,
+    Position,
+    checkpoint_bytes,
+    checkpoint_position,
+    drop_old_tier_files,
+    how_to_continue,
+    last_checkpoint,
+    load_newest,
+    next_parent,
+    plan_changes,
+    plan_record,
+    planned_world_size,
+    resume_candidates,
+    save_checkpoint,
+    save_plan,
+    start_over,
+    tier_dir,
+    tier_files,
+    tier_space_problem,
+)
+from apps.dlrm.cluster import network_storage_warnings
+from apps.dlrm.config import option
+from apps.dlrm.data import MalformedRowError, Split
+from apps.dlrm.errors import ConfigError, RunDirError
+from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes, lookahead_depth
+from apps.dlrm.progress import Progress
+from apps.dlrm.report import (
+    EvalResult,
+    RunLog,
+    TrainWindow,
+    evaluate,
+    gathered_tier_stats,
+    hit_rate,
+    io_totals,
+    summary,
+)
+from torchrec_mtrains.cache.table_cache import CacheTooSmallError
+from torchrec_mtrains.distributed import TieredParameterSharding
+from torchrec_mtrains.distributed.incremental import track_changes
+from torchrec_mtrains.distributed.tiered_tables import TableIdError
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
+from torchrec_mtrains.tiers.base import RowStoreError
+from torchrec_mtrains.types import Tier
+
+logger: logging.Logger = logging.getLogger("apps.dlrm.train")
+
+_T = TypeVar("_T")
+
+
+FIRST_LOSSES = 20  # per-step losses metrics.json keeps, to compare runs by
+
+
+def _eval_warnings(cfg: DictConfig, result: EvalResult, world: int) -> list[str]:
+    """Why the evaluation's metrics are null, if they are, naming the options to change."""
+    if result.samples and result.auc is not None and result.ne is not None:
+        return []
+    if result.samples:
+        return [
+            f"all {result.samples} held-out samples have label {int(result.positives > 0)}: "
+            "eval AUC and NE are undefined (null); evaluate on more rows (run.eval_batches, "
+            "the held-out data options)"
+        ]
+    data = cfg.data
+    if data.kind == "criteo_tsv":
+        options = (
+            f"data.eval_paths={list(data.eval_paths)}, data.eval_fraction={data.eval_fraction}"
+        )
+    elif data.kind == "criteo_npy":
+        options = (
+            f"data.eval_stems={list(data.eval_stems)}, data.eval_fraction={data.eval_fraction}"
+        )
+    else:
+        options = f"data.num_batches={data.num_batches}"
+    ranks = f" for each of the {world} ranks" if world > 1 else ""
+    return [
+        f"evaluation got no held-out batch{ranks} ({options}): eval_auc, eval_ne and "
+        "eval_calibration are null. Name held-out files or hold out a larger share of the rows."
+    ]
+
+
+def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``error`` or the first of its causes (a pipeline worker's error arrives wrapped) that
+    is a ``kind``."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        if isinstance(found, kind):
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
+def _explained(cfg: DictConfig, error: BaseException) -> str | None:
+    """``error`` as a sentence naming the file, table or option at fault and what to change,
+    for the errors the data, the tiers and the caches raise; None for any other."""
+    if (e := _cause(error, CacheTooSmallError)) is not None:
+        # With look-ahead the cache holds ``lookahead + 1`` batches at once.
+        lookahead = lookahead_depth(cfg)
+        also = (
+            f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
+            "batches besides the running one)"
+            if lookahead
+            else ""
+        )
+        if "cache_load_factor" in cfg.planner:
+            knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
+        else:
+            knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
+        return f"{e}. Raise {knob} or lower data.batch_size (now {cfg.data.batch_size}){also}."
+    if (e := _cause(error, MalformedRowError)) is not None:
+        return (
+            f"malformed data row {e} (data.on_error=fail): fix or delete that line, or pass "
+            "data.on_error=skip to skip and count malformed rows."
+        )
+    if (e := _cause(error, TableIdError)) is not None:
+        return (
+            f"{e}: the data's ids must fit model.num_embeddings_per_feature "
+            f"(data.kind={cfg.data.kind}); make them fit, give the tables more rows, or pass "
+            "run.bounds_check=warn to train such ids on row 0 as TorchRec does"
+        )
+    if (e := _cause(error, RowStoreError)) is not None:
+        return (
+            f"tier storage (hardware.*): {e}. Free space there, or point hardware.tier_root / "
+            "hardware.dirs at other directories."
+            if "full" in str(e) or "quota" in str(e)
+            else f"tier storage (hardware.*): {e}"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _errors_explained(cfg: DictConfig, run_dir: Path | None = None) -> Iterator[None]:
+    """The data's, the tiers' and the caches' errors as one-paragraph config errors
+    (:func:`_explained`); with ``run_dir`` (once training has begun) they also say how a
+    rerun carries on: from the last finished checkpoint, or over in place."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        message = _explained(cfg, e)
+        if message is None:
+            raise
+        if run_dir is not None:
+            message = f"{message.rstrip('.')}. Then {how_to_continue(run_dir)}."
+        raise ConfigError(message) from None
+
+
+def _on_all_ranks(check: Callable[[], _T], world: int) -> _T:
+    """``check()`` on every rank: a user error on any rank stops them all, with its message,
+    rather than leaving the others waiting in their next collective."""
+    if world == 1:
+        return check()
+    result: _T | None = None
+    error: tuple[type[ConfigError], str] | None = None
+    try:
+        result = check()
+    except ConfigError as e:
+        error = (type(e), str(e))
+    errors: list[object] = [None] * world
+    dist.all_gather_object(errors, error)
+    for found in errors:
+        if found is not None:
+            kind, message = cast(tuple[type[ConfigError], str], found)
+            raise kind(message)
+    return result  # type: ignore[return-value]
+
+
+def _first_batches(
+    cfg: DictConfig, first: Iterable[Batch], held_out: Iterable[Batch], evaluates: bool
+) -> KeyedJaggedTensor | None:
+    """Reads the first training batch (and the first held-out one when the run evaluates)
+    and checks their ids against the tables, before any tier file exists: unreadable data or
+    ids outside a table stop the run here, not after it built its tiers. Returns the training
+    batch's ids (the caches are sized against them), None if the split is empty."""
+    with _errors_explained(cfg):
+        batch = _peek(first)
+        if batch is not None:
+            check_batch_ids(cfg, batch.sparse_features, "the first training batch")
+        if evaluates:
+            probe = _peek(held_out)
+            if probe is not None:
+                check_batch_ids(cfg, probe.sparse_features, "the first held-out batch")
+    return batch.sparse_features if batch is not None else None
+
+
+def _peek(source: Iterable[Batch]) -> Batch | None:
+    """The first batch of ``source``, its reader closed again (training iterates it anew)."""
+    batches = iter(source)
+    try:
+        return next(batches, None)
+    finally:
+        if isinstance(batches, Generator):
+            batches.close()
+
+
+def _replan(cfg: DictConfig, run_dir: Path, changed: str, world: int) -> bool:
+    """Whether a resume whose plan differs from the checkpoint's rebuilds the tier files under
+    the new plan: when asked (``run.replan``), or when the world size changed, which changes
+    the plan by itself. The checkpoint's sharded tensors carry their global offsets, so
+    loading them into the new plan's shards restores every row exactly."""
+    before = planned_world_size(run_dir)
+    if not (bool(option(cfg, "run.replan")) or before != world):
+        return False
+    why = f"world size {before} -> {world}" if before != world else "run.replan=true"
+    logger.warning(
+        "%s (%s): rebuilding every tier file from the checkpoint under the new plan",
+        changed.split(". The checkpoint's", 1)[0],
+        why,
+    )
+    return True
+
+
+class Trainer:
+    """One rank's run, as its steps read: :meth:`run` finds where the run starts, builds the
+    model (vetting the plan before any tier file exists), loads the checkpoint, trains with
+    periodic checkpoints, saves the final one, evaluates and reports. Options are read and
+    checked when it is made, before anything is built."""
+
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = rank
+        self.world = world
+        self.device = device
+        torch.manual_seed(int(cfg.run.seed))
+        self.lookahead = lookahead_depth(cfg)
+        self.read_ahead = read_ahead_batches(cfg)
+        self.schedule = Schedule.from_config(cfg)
+        self.eval_cap = count_option(cfg, "run.eval_batches", minimum=0)
+        self.keep = count_option(cfg, "run.keep_checkpoints", minimum=1)
+        self.full_every = count_option(cfg, "run.full_checkpoint_every", minimum=1) or 1
+        self.tensorboard = bool(option(cfg, "run.tensorboard"))
+        self.phases: dict[str, float] = {}
+        self.warned: list[str] = []
+        self.saves: list[dict[str, Any]] = []
+
+    def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._find_start()
+        model, optimizer, plan_text, file_counts = self._build()
+        self.phases["build"] = time.perf_counter() - t0
+        if self.last is not None:
+            self._restore(model, optimizer)
+        self._announce(plan_text)
+        return self._train_and_report(model, optimizer, file_counts)
+
+    # ------------------------------------------------------------------- where it starts
+
+    def _find_start(self) -> None:
+        """The finished checkpoints to try, newest first (none: the run starts, over in place),
+        the data position after the newest, and the first batches every rank checks."""
+        cfg, rank, world = self.cfg, self.rank, self.world
+        self.candidates = resume_candidates(cfg, self.run_dir, rank, world)
+        self.last = self.candidates[0] if self.candidates else None
+        self.start_step = self.last[0] if self.last is not None else 0
+        self.position = (
+            checkpoint_position(self.last[1]) if self.last is not None else Position(0, 0)
+        )
+        self.first = source(cfg, rank, world, Split.TRAIN, self.position.batch)
+        self.held_out = source(cfg, rank, world, Split.EVAL)
+        self.probe = _on_all_ranks(
+            lambda: _first_batches(cfg, self.first, self.held_out, self.eval_cap != 0), world
+        )
+        self.log = self._run_log()
+        if self.last is None:
+            _on_all_ranks(lambda: start_over(cfg, self.run_dir, rank), world)
+
+    def _run_log(self) -> RunLog:
+        return RunLog(
+            self.run_dir,
+            enabled=self.rank == 0,
+            tensorboard=self.tensorboard,
+            resumed_at=self.start_step if self.last is not None else None,
+        )
+
+    # ------------------------------------------------------------------------ the model
+
+    def _build(self) -> tuple[DistributedModelParallel, CombinedOptimizer, str, torch.Tensor]:
+        """The model and optimizer, and how many tier files were created and reopened (summed
+        over ranks)."""
+        files_before = tier_files(self.cfg, self.rank)
+        with _errors_explained(self.cfg):
+            model, optimizer, plan_text = build_model(
+                self.cfg, self.world, self.last is not None, self.device, before_build=self._vet
+            )
+        files_after = tier_files(self.cfg, self.rank)
+        self.rebuilt = sorted(set(files_after) - set(files_before))
+        reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
+        counts = torch.tensor([len(files_after) - reopened, reopened], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(counts)
+        return model, optimizer, plan_text, counts
+
+    def _vet(self, plan: EmbeddingModuleShardingPlan, hot_rows: Any) -> None:
+        """Before any tier file is created or opened: caches that cannot hold the first batch,
+        a plan other than the checkpoint's and tier files that would not fit their disks stop
+        the run; a new run records its plan (and so its tier files, which a rerun may then
+        remove to start over)."""
+        cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
+        record = plan_record(cfg, plan, world, self.device.type)
+        if world > 1:  # each rank names its own files: tier roots may differ between nodes
+            mine: list[object] = [None] * world
+            dist.all_gather_object(mine, record["files"].get(str(rank), []))
+            record["files"] = {str(r): files for r, files in enumerate(mine)}
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+            used = {
+                ps.tier_options.tier
+                for ps in plan.values()
+                if isinstance(ps, TieredParameterSharding)
+            }
+            storage = used & {Tier.BYTE_SCM, Tier.BLOCK_SCM}
+            dirs = {tier.value: tier_dir(cfg, tier.value, rank) for tier in storage}
+            for warning in network_storage_warnings(dirs):
+                logger.warning(warning)
+
+        replanned = False
+
+        def check() -> None:
+            nonlocal replanned
+            if self.probe is not None:
+                check_cache_sizes(cfg, plan, self.probe, hot_rows)
+            changed = plan_changes(run_dir, record) if self.last is not None else None
+            if changed is not None:
+                replanned = _replan(cfg, run_dir, changed, world)
+                if not replanned:
+                    raise RunDirError(changed)
+            no_room = tier_space_problem(cfg, plan, rank)
+            if no_room is not None:
+                raise ConfigError(no_room)
+
+        _on_all_ranks(check, world)
+        if replanned:
+            # Every rank's old files must be gone before any rank creates the new plan's.
+            _on_all_ranks(lambda: drop_old_tier_files(run_dir, rank, world), world)
+        if rank == 0 and (self.last is None or replanned or not (run_dir / PLAN_FILE).exists()):
+            save_plan(run_dir, record)
+
+    def _restore(self, model: DistributedModelParallel, optimizer: CombinedOptimizer) -> None:
+        """Loads the newest checkpoint that loads (falling back past a damaged one)."""
+        assert self.last is not None
+        t0 = time.perf_counter()
+        loaded = load_newest(model, optimizer, self.candidates, self.rank)
+        if loaded != self.last:  # fell back past a damaged checkpoint: continue from the older
+            self.last = loaded
+            self.start_step = loaded[0]
+            self.position = checkpoint_position(loaded[1])
+            self.first = source(self.cfg, self.rank, self.world, Split.TRAIN, self.position.batch)
+            self.log = self._run_log()
+        self.phases["restore"] = time.perf_counter() - t0
+        if self.rebuilt:
+            logger.warning(
+                "rank %d: rebuilt %d missing tier file(s) from checkpoint %s: %s",
+                self.rank,
+                len(self.rebuilt),
+                self.last[1],
+                ", ".join(self.rebuilt),
+            )
+        logger.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            self.last[1],
+            self.start_step,
+            *self.position,
+        )
+
+    def _announce(self, plan_text: str) -> None:
+        if self.rank == 0:
+            (self.run_dir / "plan.txt").write_text(plan_text + "\n")
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            ranks = f"{self.world} rank{'s' if self.world > 1 else ''} on {self.device.type}"
+            print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
+
+    # ------------------------------------------------------------------------ training
+
+    def _train_and_report(
+        self,
+        model: DistributedModelParallel,
+        optimizer: CombinedOptimizer,
+        file_counts: torch.Tensor,
+    ) -> dict[str, Any]:
+        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        schedule, position = self.schedule, self.position
+        batch_size = int(cfg.data.batch_size)
+        model.train()
+        first = self.first
+        progress = Progress(
+            total=schedule.total(len(first) + position.batch if isinstance(first, Sized) else None),
+            initial=self.start_step,
+            enabled=rank == 0 and bool(cfg.run.progress),
+            every_s=float(cfg.run.progress_every_s),
+        )
+        log_every = max(1, int(cfg.run.log_every))
+        window = TrainWindow(model, batch_size, device)
+        losses: list[float] = []
+        samples = 0  # this rank's
+        groups = tiered_groups(model)
+        if self.full_every > 1:
+            track_changes(groups)  # incremental checkpoints write only the rows training changed
+        io_before = snapshot(groups)
+        timed_start = time.perf_counter()
+        ckpt_every = int(cfg.run.checkpoint_every)
+        state = DataState()
+        train_stream = training_batches(
+            cfg, rank, world, device, schedule, position, first, state, self.read_ahead
+        )
+        stream: Iterator[Batch] = train_stream
+        if schedule.steps is not None:
+            stream = itertools.islice(stream, max(0, schedule.steps - self.start_step))
+        step_fn = _plain_step(model, optimizer, stream, device)
+        pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
+        if self.lookahead:
+            pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=self.lookahead)
+            step_fn = _pipelined_step(pipeline, stream)
+        running = pipeline if pipeline is not None else contextlib.nullcontext()
+        step, saved = self.start_step, self.last
+
+        def checkpoint(full: bool = False) -> tuple[int, Path]:
+            """Saves at ``step``: incremental on the last saved or loaded checkpoint when due."""
+            parent = None if full else next_parent(saved[1] if saved else None, self.full_every)
+            started = time.perf_counter()
+            path = save_checkpoint(
+                model, optimizer, self.run_dir, step, position, self.keep, parent
+            )
+            self.saves.append(
+                {
+                    "step": step,
+                    "parent": parent.name if parent is not None else None,
+                    "seconds": time.perf_counter() - started,
+                    "bytes": checkpoint_bytes(path) if rank == 0 else None,
+                }
+            )
+            return step, path
+
+        def report() -> dict[str, str]:
+            """A collective: the window's numbers to the history, TensorBoard and progress."""
+            record = window.report()
+            self.log.train(step, position.epoch, record)
+            return {
+                "samples_s": f"{record['samples_per_s']:,.0f}",
+                "loss": f"{record['loss']:.4f}",
+                "hit": "n/a" if record["hit_rate"] is None else f"{record['hit_rate']:.3f}",
+                "stall": f"{record['stall_share']:.1%}",
+            }
+
+        try:
+            with _errors_explained(cfg, self.run_dir), running:
+                while schedule.steps is None or step < schedule.steps:
+                    try:
+                        loss, logits, labels = step_fn()
+                    except StopIteration:
+                        break
+                    step += 1
+                    position = state.trained()
+                    losses.append(loss)
+                    samples += int(labels.numel())
+                    window.add(loss, logits, labels)
+                    progress.update(report() if step % log_every == 0 else None)
+                    if ckpt_every and step % ckpt_every == 0:
+                        # The last step's checkpoint is the run's final one: always full.
+                        final = step == schedule.steps and cfg.run.final_checkpoint
+                        saved = checkpoint(full=final)
+                if window.steps:
+                    progress.show(report())  # the last steps, short of a whole window
+            progress.close()
+            elapsed = time.perf_counter() - timed_start
+            io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
+            all_samples = torch.tensor([samples], dtype=torch.float64, device=device)
+            if world > 1:
+                dist.all_reduce(all_samples)
+            self.warned.extend(short_of_schedule(cfg, schedule, state, step))
+            self.phases["train"] = elapsed
+
+            # Saved before evaluation, so a failure there loses no training.
+            ckpt: Path | None
+            if not cfg.run.final_checkpoint:
+                # The tiers hold the trained rows, but only a finished checkpoint resumes.
+                found = last_checkpoint(self.run_dir)
+                ckpt = found[1] if found is not None else None
+            elif (
+                saved is not None
+                and saved[0] == step
+                and not (self.saves and self.saves[-1]["parent"])
+            ):
+                ckpt = saved[1]  # nothing new to save
+            else:
+                # Full, so that it loads alone (an export any dcp user can read); an incremental
+                # one of the same step is replaced.
+                saved = checkpoint(full=True)
+                ckpt = saved[1]
+            # Every checkpoint's time, the periodic ones included (which the training time,
+            # measured around the loop, also holds).
+            self.phases["checkpoint"] = sum(float(one["seconds"]) for one in self.saves)
+            result = self._evaluate(model, step, batch_size)
+        finally:
+            train_stream.close()  # stops the data read-ahead thread
+            self.log.close()
+        epoch_batches = state.epoch_batches
+        finished = epoch_batches is not None and position.batch >= epoch_batches
+        stats = gathered_tier_stats(model, world)
+        tail = losses[-max(1, len(losses) // 10) :]
+        metrics: dict[str, Any] = {
+            "world_size": world,
+            "steps": step,
+            "resumed_from_step": self.start_step if self.last is not None else None,
+            "epochs_completed": position.epoch + int(finished),
+            "batches_per_epoch": epoch_batches,
+            "samples_per_s": float(all_samples) / elapsed if elapsed > 0 else 0.0,
+            "seconds": self.phases,
+            "train_loss_last": losses[-1] if losses else None,
+            # This rank's first losses of this run, exact: two plans of one model (e.g. every
+            # table FUSED, and tiered) train to the same ones from the same start.
+            "train_losses_first": losses[:FIRST_LOSSES],
+            "train_loss_mean_last_10pct": sum(tail) / len(tail) if tail else None,
+            "eval_auc": result.auc if result else None,
+            "eval_ne": result.ne if result else None,
+            "eval_calibration": result.calibration if result else None,
+            "eval_samples": result.samples if result else 0,
+            "eval_batches": result.batches if result else 0,
+            "cache_hit_rate": hit_rate(stats),
+            "lookahead": self.lookahead,
+            **io_train,
+            "tables": stats,
+            "tier_files": {"created": int(file_counts[0]), "reopened": int(file_counts[1])},
+            "checkpoint": str(ckpt) if ckpt is not None else None,
+            "checkpoints_saved": self.saves,
+            "run_dir": str(self.run_dir),
+            "warnings": self.warned,
+        }
+        return self._report(metrics)
+
+    def _evaluate(
+        self, model: DistributedModelParallel, step: int, batch_size: int
+    ) -> EvalResult | None:
+        t0 = time.perf_counter()
+        result: EvalResult | None = None
+        if self.eval_cap != 0:
+            batches, _ = in_step(self.held_out, self.world, self.device, self.read_ahead)
+            try:
+                with _errors_explained(self.cfg, self.run_dir):
+                    result = evaluate(
+                        model, itertools.islice(batches, self.eval_cap), self.device, batch_size
+                    )
+            finally:
+                batches.close()  # stops its read-ahead thread
+            self.log.eval(step, result)
+            self.warned.extend(_eval_warnings(self.cfg, result, self.world))
+        self.phases["eval"] = time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------------ reporting
+
+    def _report(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        if self.rank == 0:
+            for message in self.warned:
+                logger.warning("%s", message)
+            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            print(summary(metrics, self.run_dir), flush=True)
+        return metrics
+
+
+def _plain_step(
+    model: DistributedModelParallel,
+    optimizer: CombinedOptimizer,
+    batches: Iterator[Batch],
+    device: torch.device,
+) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
+    """One step of the plain loop (no look-ahead): each batch's rows are read from the tiers
+    when its forward needs them. Returns ``(loss, logits, labels)``; raises StopIteration at
+    the end of the data."""
+
+    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
+        batch = next(batches).to(device, non_blocking=True)
+        optimizer.zero_grad()
+        loss, (_, logits, labels) = model(batch)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach()), logits, labels
+
+    return step
+
+
+def _pipelined_step(
+    pipeline: LookaheadTrainPipeline[Batch, Any], batches: Iterator[Batch]
+) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
+    """One step of the look-ahead pipeline: the same ``(loss, logits, labels)`` as the plain
+    step."""
+
+    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
+        loss, logits, labels = pipeline.progress(batches)
+        return float(loss), logits, labels
+
+    return step
