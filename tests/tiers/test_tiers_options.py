@@ -154,10 +154,10 @@ def test_register_needs_options_for_the_same_tier() -> None:
     with pytest.raises(ValueError, match="whose tier is 'dram', not 'tape'"):
         register_tier(Mismatched)
     assert "tape" not in TIERS
-    from torchrec_mtrains.tiers import base
+    from torchrec_mtrains.tiers import registry
 
     try:
         register_tier(Tape)
         assert resolve_options("tape", {}) == TapeOptions()
     finally:
-        base._REGISTRY.pop("tape", None)
+        registry._REGISTRY.pop("tape", None)

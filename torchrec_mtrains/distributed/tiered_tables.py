@@ -34,7 +34,8 @@ from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWor
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
 from torchrec_mtrains.tiers._linux import release_freed_memory
-from torchrec_mtrains.tiers.base import OpenMode, open_store
+from torchrec_mtrains.tiers.base import OpenMode
+from torchrec_mtrains.tiers.registry import open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -17,21 +17,12 @@ from torchrec_mtrains.tiers import (  # noqa: F401  (registers the stores)
     log_block_scm,
 )
 from torchrec_mtrains.tiers.base import (
-    DEFAULT_LAYOUTS,
-    TIERS,
     FileHeader,
     HeaderMismatchError,
     OpenMode,
     RowStore,
     RowStoreError,
     TierStats,
-    default_layout,
-    layouts_of,
-    open_store,
-    placement_options,
-    register_tier,
-    resolve_options,
-    tier_class,
 )
 from torchrec_mtrains.tiers.options import (
     BlockIOOptions,
@@ -41,6 +32,17 @@ from torchrec_mtrains.tiers.options import (
     IOEngineKind,
     LogBlockScmOptions,
     TierOptions,
+)
+from torchrec_mtrains.tiers.registry import (
+    DEFAULT_LAYOUTS,
+    TIERS,
+    default_layout,
+    layouts_of,
+    open_store,
+    placement_options,
+    register_tier,
+    resolve_options,
+    tier_class,
 )
 
 __all__ = [

@@ -33,16 +33,9 @@ from torchrec_mtrains.tiers._blockio import (
     merge_runs,
     open_block_file,
 )
-from torchrec_mtrains.tiers.base import (
-    DATA_OFFSET,
-    IdArray,
-    OpenMode,
-    RowArray,
-    RowStore,
-    register_tier,
-    resolve_options,
-)
+from torchrec_mtrains.tiers.base import DATA_OFFSET, IdArray, OpenMode, RowArray, RowStore
 from torchrec_mtrains.tiers.options import BlockScmOptions, TierOptions
+from torchrec_mtrains.tiers.registry import register_tier, resolve_options
 from torchrec_mtrains.types import RowLayout
 
 

@@ -32,10 +32,10 @@ from torchrec_mtrains.tiers.base import (
     RowStore,
     RowStoreError,
     gather_rows,
-    register_tier,
     scatter_rows,
 )
 from torchrec_mtrains.tiers.options import ByteScmOptions, TierOptions
+from torchrec_mtrains.tiers.registry import register_tier
 from torchrec_mtrains.types import RowLayout
 
 logger: logging.Logger = logging.getLogger(__name__)

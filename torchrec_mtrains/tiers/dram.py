@@ -21,10 +21,10 @@ from torchrec_mtrains.tiers.base import (
     RowStore,
     RowStoreError,
     gather_rows,
-    register_tier,
     scatter_rows,
 )
 from torchrec_mtrains.tiers.options import DramOptions, TierOptions
+from torchrec_mtrains.tiers.registry import register_tier
 from torchrec_mtrains.types import RowLayout
 
 # Dirty tracking granularity: small enough that a flush after a few scattered writes moves

@@ -76,10 +76,9 @@ from torchrec_mtrains.tiers.base import (
     RowStore,
     RowStoreError,
     TierStats,
-    register_tier,
-    resolve_options,
 )
 from torchrec_mtrains.tiers.options import LogBlockScmOptions, TierOptions
+from torchrec_mtrains.tiers.registry import register_tier, resolve_options
 from torchrec_mtrains.types import RowLayout
 
 _logger: logging.Logger = logging.getLogger(__name__)

@@ -290,3 +290,17 @@ class LogBlockScmOptions(BlockIOOptions):
                 "max_space_amplification",
                 f"must be a finite number >= 1.1 (compaction needs dead space), got {amp}",
             )
+
+
+def own_options(
+    tier: str, options_type: type[TierOptions], options: TierOptions | None
+) -> TierOptions:
+    """``options`` (the defaults for ``None``) when they are ``tier``'s kind."""
+    if options is None:
+        return options_type()
+    if not isinstance(options, options_type):
+        raise ValueError(
+            f"tier {tier!r} takes {options_type.__qualname__}, got "
+            f"{type(options).__qualname__} (options of tier {options.tier!r})"
+        )
+    return options
