@@ -15,9 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
-from apps.dlrm.checkpoints import (
-    Position,
-)
+from apps.dlrm.checkpoints import Position
 from apps.dlrm.config import option
 from apps.dlrm.data import Split, build_dataloader
 from apps.dlrm.data.background import read_ahead

@@ -41,31 +41,30 @@ from apps.dlrm.batches import (
     training_batches,
 )
 from apps.dlrm.checkpoints import (
-    PLAN_FILE,
     Position,
     checkpoint_bytes,
     checkpoint_position,
-    drop_old_tier_files,
     how_to_continue,
     last_checkpoint,
     load_newest,
     next_parent,
-    plan_changes,
-    plan_record,
-    planned_world_size,
     resume_candidates,
     save_checkpoint,
-    save_plan,
     start_over,
-    tier_dir,
-    tier_files,
-    tier_space_problem,
 )
 from apps.dlrm.cluster import network_storage_warnings
 from apps.dlrm.config import option
 from apps.dlrm.data import MalformedRowError, Split
 from apps.dlrm.errors import ConfigError, RunDirError
 from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes, lookahead_depth
+from apps.dlrm.plan_record import (
+    drop_old_tier_files,
+    plan_changes,
+    plan_record,
+    planned_world_size,
+    save_plan,
+    tier_space_problem,
+)
 from apps.dlrm.progress import Progress
 from apps.dlrm.report import (
     EvalResult,
@@ -77,6 +76,7 @@ from apps.dlrm.report import (
     io_totals,
     summary,
 )
+from apps.dlrm.run_files import PLAN_FILE, tier_dir, tier_files
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import track_changes

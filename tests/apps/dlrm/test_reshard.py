@@ -12,8 +12,9 @@ import torch
 import torch.multiprocessing as mp
 from dlrm_helpers import app_config, checkpoint_weights
 
-from apps.dlrm.checkpoints import finished_checkpoints, planned_world_size
+from apps.dlrm.checkpoints import finished_checkpoints
 from apps.dlrm.errors import RunDirError
+from apps.dlrm.plan_record import planned_world_size
 from apps.dlrm.train import main
 
 # Row-wise sharding of the large tables makes the plan depend on the world size.
