@@ -25,7 +25,7 @@ from tests.distributed.test_checkpoint import (
     full_weights,
     train,
 )
-from torchrec_mtrains.distributed import incremental
+from torchrec_mtrains.distributed import checkpoint_load
 from torchrec_mtrains.distributed.checkpoint_views import VIEW_DIR
 from torchrec_mtrains.distributed.incremental import (
     changed_state_dict,
@@ -226,13 +226,13 @@ def test_a_restore_selects_each_saved_batch_once_per_tiered_shard(
     train(src, 2, seed=1, rows=ROWS)
     _save(src, tmp_path / "c1", incremental=False)
     calls: dict[int, int] = {}
-    original = incremental._DirectRows.add
+    original = checkpoint_load._DirectRows.add
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         calls[chunk] = calls.get(chunk, 0) + 1
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(incremental._DirectRows, "add", counted)
+    monkeypatch.setattr(checkpoint_load._DirectRows, "add", counted)
     for chunk in (64, 1024):  # 47 and 3 chunks of the table's tensors
         dst = build(
             tmp_path / f"dst{chunk}", "log_block_scm", tables=_tables(ROWS), chunk_rows=chunk
