@@ -34,6 +34,11 @@ On-disk format (one file, ``<table>.log_block_scm.rows``)::
 
 A row's slot ``s`` lies at ``data_offset + (s // segment_slots) * segment_bytes +
 (s % segment_slots) * row_bytes``. ``data_offset`` (in the FileHeader) is block aligned.
+
+Why one file of this size: one class whose state (the row -> slot index, the segment table, the
+pins, the head) every operation (append, read, compaction, checkpoint, export, recovery) updates
+under one write lock and one set of invariants; split into modules, each part would reach into
+the others' private state.
 """
 
 from __future__ import annotations
