@@ -27,10 +27,10 @@ second of planning, over its idle figure): about 0 for planning that never holds
 thread's speed beside planning / idle (on a machine with other busy processes this also counts
 the core they take); and ``slowdown``, contended / alone planning time.
 
-``--backend`` picks ``TableCache``'s implementation (``numba``: compiled kernels that release the
-GIL, on CPU bookkeeping; ``torch``: vectorized torch ops) or ``legacy``: this file's replay of the
-planning code before those two existed (``_LegacyTableCache``: torch ops, victims by ``topk``),
-kept as the same-run baseline. ``all`` (the default) runs each in turn on the same batches.
+``--backend`` picks ``TableCache``'s implementation: ``numba`` (compiled kernels that release the
+GIL, on CPU bookkeeping) or ``torch`` (vectorized torch ops, the same-run baseline). ``all`` (the
+default) runs each in turn on the same batches. The planning code before both is measured in
+``docs/benchmarks.md`` (its ``legacy`` row, from git history), not kept here.
 
 Example::
 
@@ -56,67 +56,9 @@ import numpy as np
 import torch
 
 from torchrec_mtrains.cache import kernels
-from torchrec_mtrains.cache.policies import CachePolicy
-from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
+from torchrec_mtrains.cache.table_cache import TableCache
 
-_BACKENDS = ("legacy", "torch", "numba")
-
-
-def _legacy_choose_victims(
-    policy: CachePolicy, count: int, protected: torch.Tensor
-) -> torch.Tensor:
-    """Victim choice before the numba backend: ``topk`` on the float priorities (ties in any
-    order), a stable sort for large counts."""
-    if count <= 0:
-        return torch.empty(0, dtype=torch.int64)
-    prio = policy.priority().masked_fill(protected, float("inf"))
-    if count * 8 < policy.num_slots:
-        return torch.topk(prio, count, largest=False, sorted=False).indices
-    return torch.argsort(prio, stable=True)[:count]
-
-
-class _LegacyTableCache(TableCache):
-    """The torch planning code as it was before the numba backend (the baseline of this
-    benchmark only: its victims may differ from the current ones among equal priorities)."""
-
-    def __init__(self, table: str, num_rows: int, num_slots: int, policy: str) -> None:
-        super().__init__(table, num_rows, num_slots, policy, backend="torch")
-
-    def _plan_torch(self, ids: torch.Tensor, step: int) -> tuple[CachePlan, int]:
-        slots = self.id_to_slot[ids].to(torch.int64)
-        hit = slots >= 0
-        miss_ids = ids[~hit]
-        n_miss = int(miss_ids.numel())
-        error = self._capacity_error(ids, slots, hit)
-        if error is not None:
-            raise error
-        empty = torch.empty(0, dtype=torch.int64)
-        if n_miss == 0:
-            self.policy.on_access(slots, step)
-            return CachePlan(slots, empty, empty, empty, empty, empty.to(torch.bool)), 0
-        protected = self._reserved.clone()
-        protected[slots[hit]] = True
-        free = torch.nonzero(self.slot_to_id < 0).flatten() if self._num_free else empty
-        load_slots = free[:n_miss]
-        self._num_free -= int(load_slots.numel())
-        n_evict = n_miss - int(load_slots.numel())
-        if n_evict > 0:
-            protected[free] = True
-            victims = _legacy_choose_victims(self.policy, n_evict, protected)
-            load_slots = torch.cat([load_slots, victims])
-        else:
-            victims = empty
-        evict_ids = self.slot_to_id[victims]
-        evict_dirty = self.dirty[victims].clone()
-        self.id_to_slot[evict_ids] = -1
-        self.id_to_slot[miss_ids] = load_slots.to(torch.int32)
-        self.slot_to_id[load_slots] = miss_ids
-        self.dirty[load_slots] = False
-        self.policy.on_insert(load_slots, step)
-        slots[~hit] = load_slots
-        self.policy.on_access(slots, step)
-        plan = CachePlan(slots, miss_ids, load_slots, evict_ids, victims, evict_dirty)
-        return plan, int(evict_dirty.sum())
+_BACKENDS = ("torch", "numba")
 
 
 def zipf_ids(rows: int, n: int, exponent: float, rng: np.random.Generator) -> np.ndarray:
@@ -155,8 +97,6 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
 def _new_caches(w: Workload, policy: str, backend: str) -> list[TableCache]:
     tables = enumerate(zip(w.rows, w.slots))
-    if backend == "legacy":
-        return [_LegacyTableCache(f"t{i}", r, s, policy) for i, (r, s) in tables]
     return [TableCache(f"t{i}", r, s, policy, backend=backend) for i, (r, s) in tables]
 
 
@@ -304,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-frac", type=float, default=0.15)
     p.add_argument("--lookahead", type=int, default=1)
     p.add_argument("--policy", default="lru")
-    p.add_argument("--backend", default="all", help="legacy, torch, numba, or all (each available)")
+    p.add_argument("--backend", default="all", help="torch, numba, or all (each available)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")

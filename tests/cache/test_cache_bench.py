@@ -20,7 +20,7 @@ def test_cache_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "cache.json"
     assert module.main(["--smoke", "--policy", "lfu", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert {r["backend"] for r in results} >= {"legacy", "torch"}
+    assert {r["backend"] for r in results} >= {"torch"}
     for r in results:
         assert r["ms_per_batch"] > 0 and r["gil_share"] >= 0.0
         assert set(r["ms_per_stage"]) == {
@@ -32,5 +32,4 @@ def test_cache_bench_smoke(tmp_path: Path) -> None:
             "mark_dirty",
             "release",
         }
-    current = [r for r in results if r["backend"] != "legacy"]
-    assert len({(r["hit_rate"], r["evictions_per_batch"]) for r in current}) == 1
+    assert len({(r["hit_rate"], r["evictions_per_batch"]) for r in results}) == 1
