@@ -110,7 +110,7 @@ from torchrec_mtrains.planner import (
     plan_tables,
     zipf_access,
 )
-from torchrec_mtrains.planner.topology import store_options
+from torchrec_mtrains.planner.presets import store_options
 from torchrec_mtrains.tiers import OpenMode
 from torchrec_mtrains.types import Tier
 

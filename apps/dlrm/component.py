@@ -117,7 +117,7 @@ class NodeShape:
 
     @classmethod
     def of(cls, host: "HostTopology") -> "NodeShape":
-        from torchrec_mtrains.planner.topology import parse_size
+        from torchrec_mtrains.planner.sizes import parse_size
 
         return cls(
             preset=host.name,
@@ -140,7 +140,7 @@ def node_shape(script_args: List[str]) -> NodeShape:
     from omegaconf.errors import OmegaConfBaseException
 
     from apps.dlrm.config import CONF_DIR
-    from torchrec_mtrains.planner.topology import topology_from_config
+    from torchrec_mtrains.planner.presets import topology_from_config
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

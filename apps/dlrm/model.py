@@ -34,12 +34,8 @@ from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.initializers import RowSeededUniform
 from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
-from torchrec_mtrains.planner.topology import (
-    detected_gpu,
-    format_size,
-    on_compute_device,
-    store_options,
-)
+from torchrec_mtrains.planner.presets import detected_gpu, on_compute_device, store_options
+from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import BufferBudgetError
 from torchrec_mtrains.profiler import AccessProfile
 from torchrec_mtrains.tiers.base import OpenMode

@@ -39,14 +39,9 @@ from omegaconf import OmegaConf
 from apps.dlrm.config import CONF_DIR
 from apps.dlrm.model import pooling_factors
 from torchrec_mtrains.planner.planners import with_budgets
-from torchrec_mtrains.planner.topology import (
-    HostTopology,
-    available_presets,
-    exact_size,
-    format_size,
-    parse_size,
-    topology_from_config,
-)
+from torchrec_mtrains.planner.presets import available_presets, topology_from_config
+from torchrec_mtrains.planner.sizes import exact_size, format_size, parse_size
+from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.planner.types import PlacementError, PlannerConfig
 from torchrec_mtrains.planner.whatif import (
     compare_host_types,

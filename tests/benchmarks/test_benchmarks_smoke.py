@@ -100,7 +100,7 @@ def test_w1_opens_its_block_stores_with_the_presets_options(tmp_path: Path) -> N
     """W1's stores are opened as the app opens them (store_options of the host the planner
     costs), so the local preset's queue depth, not the store's own default, reaches them."""
     from torchrec_mtrains.distributed.runtime import process_group
-    from torchrec_mtrains.planner.topology import load_topology
+    from torchrec_mtrains.planner.presets import load_topology
     from torchrec_mtrains.tiers.options import LogBlockScmOptions
 
     w1 = _load("w1_bench")

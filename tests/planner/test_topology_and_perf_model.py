@@ -27,12 +27,8 @@ from torchrec_mtrains.planner.perf_model import (
     partial_units_per_row,
     units_per_row,
 )
-from torchrec_mtrains.planner.topology import (
-    GpuConfig,
-    on_compute_device,
-    preset_path,
-    store_options,
-)
+from torchrec_mtrains.planner.presets import on_compute_device, preset_path, store_options
+from torchrec_mtrains.planner.topology import GpuConfig
 from torchrec_mtrains.tiers import BlockScmOptions, ByteScmOptions, DramOptions, LogBlockScmOptions
 from torchrec_mtrains.types import Tier
 

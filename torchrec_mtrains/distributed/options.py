@@ -12,7 +12,7 @@ belongs in the group TorchRec would put it in on FUSED, whatever its tier, cache
 Where the tiers' files go, and how their stores are opened (block size, queue depth, ...), is a
 property of the host, not of a table: :class:`TierStorage`, given to the sharders. Its per-tier
 options are the tiers' typed :class:`~torchrec_mtrains.tiers.TierOptions`, built from the
-planner's host topology by :func:`torchrec_mtrains.planner.topology.store_options` so that the
+planner's host topology by :func:`torchrec_mtrains.planner.presets.store_options` so that the
 stores run with what the perf model assumed.
 
 What a batch holding an id outside its table does is one rule for every table a sharder builds,
@@ -168,7 +168,7 @@ class TierStorage:
         dirs: per-tier directory overrides, e.g. ``{"byte_scm": "/mnt/pmem0/run"}``.
         tier_options: per-tier store options, tier name -> that tier's
             :class:`~torchrec_mtrains.tiers.TierOptions` (e.g. ``LogBlockScmOptions``), usually
-            :func:`~torchrec_mtrains.planner.topology.store_options` of the host topology. A
+            :func:`~torchrec_mtrains.planner.presets.store_options` of the host topology. A
             mapping of option values is accepted too (``{"block_scm": {"queue_depth": 8}}``):
             it is checked key by key and replaced by the typed options, so an unknown tier,
             option or value fails here, naming it. Tiers left out, and mappings naming no

@@ -19,6 +19,13 @@ from torchrec_mtrains.planner.planners import (
     plan_tables,
     torchrec_topology,
 )
+from torchrec_mtrains.planner.presets import (
+    available_presets,
+    load_topology,
+    register_configs,
+    topology_from_config,
+)
+from torchrec_mtrains.planner.sizes import parse_size
 from torchrec_mtrains.planner.stats import PlanSummary
 from torchrec_mtrains.planner.topology import (
     BlockTierConfig,
@@ -28,11 +35,6 @@ from torchrec_mtrains.planner.topology import (
     HostTopology,
     MemoryTierConfig,
     NetworkConfig,
-    available_presets,
-    load_topology,
-    parse_size,
-    register_configs,
-    topology_from_config,
 )
 from torchrec_mtrains.planner.types import (
     PlacementError,

@@ -33,7 +33,7 @@ from torchrec.distributed.planner.types import (
 
 from torchrec_mtrains.planner.perf_model import Placement, StepTime
 from torchrec_mtrains.planner.shard_estimators import TieredShardEstimator
-from torchrec_mtrains.planner.topology import format_size
+from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import (
     PlacementError,
     PlacementReport,

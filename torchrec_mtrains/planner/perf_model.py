@@ -64,11 +64,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from torchrec_mtrains.planner.topology import (
-    BlockTierConfig,
-    HostTopology,
-    MemoryTierConfig,
-)
+from torchrec_mtrains.planner.topology import BlockTierConfig, HostTopology, MemoryTierConfig
 from torchrec_mtrains.types import Tier
 
 __all__ = [

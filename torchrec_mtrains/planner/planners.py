@@ -353,7 +353,7 @@ def with_budgets(topology: HostTopology, dram_budget: str, byte_scm_budget: str)
     Raises:
         ValueError: for an unparsable or zero budget, or a byte SCM budget without byte SCM.
     """
-    from torchrec_mtrains.planner.topology import parse_size
+    from torchrec_mtrains.planner.sizes import parse_size
 
     if dram_budget != "":
         usable = parse_size(dram_budget, "planner.dram_budget")

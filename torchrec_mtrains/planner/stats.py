@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torchrec_mtrains.planner.enumerators import kernel_for
 from torchrec_mtrains.planner.partitioners import rank_critical, rank_step_times
-from torchrec_mtrains.planner.topology import format_size
+from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
 from torchrec_mtrains.types import Tier
 

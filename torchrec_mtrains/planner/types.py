@@ -24,7 +24,8 @@ from torchrec.distributed.planner.types import (
 from torchrec_mtrains.cache.policies import POLICIES
 from torchrec_mtrains.planner.access import TableAccess
 from torchrec_mtrains.planner.perf_model import Placement, StepTime
-from torchrec_mtrains.planner.topology import HostTopology, format_size
+from torchrec_mtrains.planner.sizes import format_size
+from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES
 from torchrec_mtrains.types import Tier
 

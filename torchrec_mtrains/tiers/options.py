@@ -45,7 +45,7 @@ class TierOptions:
 
     ``hardware_fields`` lists the fields that describe the device as the planner models it too:
     the tier's hardware config (e.g. ``BlockTierConfig``) has fields of the same names, and
-    :func:`torchrec_mtrains.planner.topology.store_options` copies them from the host topology,
+    :func:`torchrec_mtrains.planner.presets.store_options` copies them from the host topology,
     so a store runs with the queue depth and block size the perf model assumed.
 
     Example::
