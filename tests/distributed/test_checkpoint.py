@@ -273,15 +273,17 @@ def _dcp_round_trip(
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc RssAnon")
 def test_checkpoint_memory_is_bounded_by_chunks(tmp_path: Path) -> None:
-    rows, dim, chunk = 200_000, 64, 8_192
+    # The table is large enough that a bound in chunks (with room for dcp's and the
+    # allocator's own, which vary from run to run: 4-7.5 chunks measured) stays far below it.
+    rows, dim, chunk = 600_000, 64, 8_192
     tables = _tables(rows=rows, dim=dim)
-    table_bytes = rows * (dim + 1) * 4  # 52 MB of weights + row-wise state
+    table_bytes = rows * (dim + 1) * 4  # 156 MB of weights + row-wise state
     chunk_bytes = chunk * (dim + 1) * 4  # 2.1 MB
     model = build(tmp_path / "a", "block_scm", tables=tables, chunk_rows=chunk)
     train(model, 3, seed=1, rows=rows)
     other = build(tmp_path / "b", "block_scm", tables=tables, chunk_rows=chunk)
     save_mem, load_mem = _dcp_round_trip(model, other, tmp_path / "ckpt")
-    bound = 6 * chunk_bytes
+    bound = 10 * chunk_bytes
     print(
         f"checkpoint peak extra anon memory: save {save_mem.extra / 2**20:.1f} MB, "
         f"load {load_mem.extra / 2**20:.1f} MB; chunk {chunk_bytes / 2**20:.1f} MB, "
