@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from torchrec_mtrains.distributed.tier_state import (
     CHANGED_PREFIX,
-    LOAD_BATCH_BYTES,
     ROWS_PREFIX,
     TierRegion,
     Where,
@@ -38,6 +37,9 @@ from torchrec_mtrains.distributed.tier_state import (
 )
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.tiers._linux import release_freed_memory
+
+LOAD_BATCH_BYTES = 256 * 2**20
+"""Saved rows read per dcp load while applying a checkpoint: bounds the memory it takes."""
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,6 @@ and ``...::<k>::rows`` for batch ``k`` (whole rows: weights, then optimizer stat
 ``tier_rows::<path>::<where>::layout``, which tensor each column range of a row belongs to.
 ``<path>`` is the table's weights in the state dict, ``<where>`` its shard's weights."""
 
-LOAD_BATCH_BYTES = 256 * 2**20
-"""Saved rows read per dcp load while applying a checkpoint: bounds the memory it takes."""
-
 Where = tuple[int, int, int, int]  # a saved shard's row, rows, col, cols (global)
 
 
