@@ -24,67 +24,33 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import w2_bench
-from _common import cgroup_support, machine_info, write_json
-
+from torchrec_mtrains.benchmark.measure import machine_info, write_json
+from torchrec_mtrains.benchmark.memory_cap import cgroup_support, run_capped
+from torchrec_mtrains.benchmark.tier_files import row_digests
 from torchrec_mtrains.planner import parse_size
-from torchrec_mtrains.tiers import FileHeader, open_store
-from torchrec_mtrains.tiers.base import FILE_SUFFIX, HEADER_BYTES
-from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
-from torchrec_mtrains.types import RowLayout
 
+W2_BENCH = Path(__file__).resolve().with_name("w2_bench.py")
 CHANGED = re.compile(r"checkpoint \S+/(step_\d+): rows changed since \S+ \(([\d,]+) on rank 0\)")
 
 
-def row_digest(path: Path) -> str:
-    """A digest of the rows of one tier file (id and bytes of every row), whatever order its
-    store keeps them in: read in the store's sequential order, each row's words mixed with its
-    id, summed modulo 2**64."""
-    with path.open("rb") as f:
-        header = FileHeader.unpack(f.read(HEADER_BYTES), path)
-    layout = RowLayout(header.num_rows, header.dim, header.state_width, header.dtype)
-    table = path.name[: -len(f".{header.tier}{FILE_SUFFIX}")]
-    total = np.uint64(0)
-    with open_store(header.tier, path.parent, table, layout, mode="open") as store:
-        if isinstance(store, LogBlockSCMStore):
-            batches: Any = (store.read_scan_batch(b) for b in store.scan_batches())
-        else:
-            step = max(1, (64 << 20) // layout.row_bytes)
-            batches = (
-                (
-                    np.arange(a, min(a + step, layout.num_rows)),
-                    store.read_range(a, min(step, layout.num_rows - a)),
-                )
-                for a in range(0, layout.num_rows, step)
-            )
-        weights = None
-        for ids, rows in batches:
-            words = np.ascontiguousarray(rows).view(np.uint32).astype(np.uint64)
-            if weights is None:
-                rng = np.random.default_rng(0)
-                weights = rng.integers(1, 2**63, size=words.shape[1], dtype=np.uint64) | 1
-            with np.errstate(over="ignore"):  # sums modulo 2**64 on purpose
-                mixed = (words * weights).sum(axis=1) ^ (ids.astype(np.uint64) * _ID_MIX)
-                total += mixed.sum()
-    return f"{int(total):016x}"
-
-
-_ID_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def row_digests(root: Path) -> dict[str, str]:
-    """:func:`row_digest` of every tier file under ``root``, by path relative to it."""
-    return {str(p.relative_to(root)): row_digest(p) for p in sorted(root.rglob("*.rows"))}
+def run_w2(args: list[str]) -> dict[str, Any]:
+    """``w2_bench.py`` with ``args`` in its own process (its output shown as it runs); its
+    result, read back from the JSON it wrote at ``--out``."""
+    out = Path(args[args.index("--out") + 1])
+    done = subprocess.run([sys.executable, str(W2_BENCH), *args], check=False)
+    if not out.exists():
+        raise SystemExit(f"w2_bench.py failed (exit {done.returncode}) before writing {out}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         *(["--smoke"] if args.smoke else []),
         *train_overrides,
     ]
-    trained = w2_bench.main(w2_args)
+    trained = run_w2(w2_args)
     metrics = trained["metrics"]
     if trained["app"]["returncode"] != 0 or metrics is None:
         raise SystemExit("the W2 run failed: see its log above")
@@ -146,7 +112,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("$ python " + " ".join(cmd[1:]), flush=True)
         support = cgroup_support()
         cap = parse_size("2GiB" if args.smoke else "4GiB")
-        resumed = w2_bench.run_capped(cmd, cap, work / "resume.log", support.ok, support)
+        resumed = run_capped(
+            cmd,
+            support,
+            "w2_resume",
+            cap if support.ok else None,
+            log=work / "resume.log",
+            env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"},
+            cwd=W2_BENCH.parents[1],
+        )
         resume_log = (work / "resume.log").read_text(errors="replace")
         print(resume_log[-3000:], flush=True)
         after = row_digests(tiers)
@@ -176,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         *train_overrides,
         "hardware.block_scm.layout=flat",
     ]
-    flat = w2_bench.main(flat_args)
+    flat = run_w2(flat_args)
     if flat["app"]["returncode"] != 0 or flat["metrics"] is None:
         raise SystemExit("the W2 run with the flat layout failed: see its log above")
     (flat_full,) = flat["metrics"]["checkpoints_saved"]

@@ -38,7 +38,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +57,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import SyntheticCriteoDataset, SyntheticDataConfig
+from torchrec_mtrains.benchmark.fio import fio_job
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -330,25 +330,14 @@ def run_fio(
 ) -> dict[str, float] | None:
     """The disk under ``directory``: random 4 KiB reads at queue depth 1 (a page fault's wait)
     and 32, random 4 KiB writes at 32 (O_DIRECT); ``None`` without fio."""
-    if shutil.which("fio") is None:
-        return None
     out: dict[str, float] = {}
-    target = directory / "fiofile"
-    try:
-        for key in jobs:
-            rw, depth = FIO_JOBS[key]
-            cmd = [
-                "fio", "--name=f", f"--rw={rw}", "--bs=4k", f"--iodepth={depth}",
-                "--ioengine=libaio", "--direct=1", "--size=1g", f"--runtime={seconds}",
-                "--time_based", f"--filename={target}", "--output-format=json",
-            ]  # fmt: skip
-            done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-            job = json.loads(done.stdout)["jobs"][0]["write" if "write" in rw else "read"]
-            out[f"{key}_iops"] = float(job["iops"])
-            out[f"{key}_lat_us"] = float(job["lat_ns"]["mean"]) / 1000
-            print(f"  fio {key}: {out[f'{key}_iops']:.0f} IOPS, {out[f'{key}_lat_us']:.0f} us")
-    finally:
-        target.unlink(missing_ok=True)
+    for key in jobs:
+        rw, depth = FIO_JOBS[key]
+        job = fio_job(directory, rw, depth, seconds)
+        if job is None:
+            return None
+        out[f"{key}_iops"], out[f"{key}_lat_us"] = job["iops"], job["lat_us"]
+        print(f"  fio {key}: {job['iops']:.0f} IOPS, {job['lat_us']:.0f} us")
     return out
 
 

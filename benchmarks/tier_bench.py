@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,29 +35,12 @@ from typing import Any
 import numpy as np
 
 import torchrec_mtrains.tiers.log_block_scm  # noqa: F401  (registers the log tier)
+from torchrec_mtrains.benchmark.fio import run_fio
 from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store, resolve_options
 from torchrec_mtrains.types import RowLayout
 
 TARGET = 0.70
 FILL_BYTES = 64 << 20  # rows per write_range call during the sequential fill
-
-
-def run_fio(directory: Path, seconds: int, size: str) -> dict[str, float] | None:
-    """Random 4 KiB reads at QD32 through libaio with O_DIRECT; ``None`` if fio is absent."""
-    if shutil.which("fio") is None:
-        return None
-    target = directory / "fiofile"
-    cmd = [
-        "fio", "--name=r", "--rw=randread", "--bs=4k", "--iodepth=32", "--ioengine=libaio",
-        "--direct=1", f"--size={size}", f"--runtime={seconds}", "--time_based",
-        f"--filename={target}", "--output-format=json",
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    finally:
-        target.unlink(missing_ok=True)
-    job = json.loads(done.stdout)["jobs"][0]["read"]
-    return {"iops": float(job["iops"]), "lat_us": float(job["lat_ns"]["mean"]) / 1000}
 
 
 def timed(seconds: float, step: Any) -> tuple[int, float]:

@@ -60,79 +60,52 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    OptimType,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
-from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.keyed import KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from apps.dlrm.data import (
-    CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE,
-    SyntheticCriteoDataset,
-    SyntheticDataConfig,
+from apps.dlrm.workloads.mmap_baseline import build_mmap, init_mmap_files, verify_mapping
+from apps.dlrm.workloads.w1 import (
+    Built,
+    Workload,
+    build_fused,
+    build_tiered,
+    probe_sizes,
+    tiered_groups,
 )
-from torchrec_mtrains.cache.table_cache import TableCache
-from torchrec_mtrains.distributed import (
-    TieredEmbeddingBagCollectionSharder,
-    TierStorage,
-)
-from torchrec_mtrains.distributed.runtime import process_group
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
-from torchrec_mtrains.initializers import RowSeededUniform
-from torchrec_mtrains.pipeline import LookaheadTrainPipeline
-from torchrec_mtrains.planner import (
-    HostTopology,
-    PlannerConfig,
-    load_topology,
-    parse_size,
-    plan_tables,
-    zipf_access,
-)
-from torchrec_mtrains.planner.presets import store_options
-from torchrec_mtrains.tiers import OpenMode
-from torchrec_mtrains.types import Tier
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    MemoryCgroup,
+from torchrec_mtrains.benchmark.fio import run_fio
+from torchrec_mtrains.benchmark.measure import (
     ProcessCounters,
-    cgroup_support,
     disk_free_bytes,
     drop_file_cache,
     machine_info,
     median_windows,
     rss_bytes,
-    run_fio,
+    thread_cpu_seconds,
     write_json,
 )
+from torchrec_mtrains.benchmark.memory_cap import cgroup_support, run_capped
+from torchrec_mtrains.benchmark.tier_probes import (
+    TierClock,
+    isolated_block_reads,
+    tier_delta,
+    tier_snapshot,
+)
+from torchrec_mtrains.cache.table_cache import TableCache
+from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 
 logger = logging.getLogger("w1_bench")
 
-LR = 0.05
-STATE_WIDTH = 1  # row-wise Adagrad: one float of state per row
-EBC_NAME = "ebc"
 TARGET_VS_A = 0.95
 TARGET_VS_B = 3.0
 TARGET_FIO = 0.7
@@ -152,73 +125,7 @@ BLOCK_SIZE = 4096
 CHECK_STEPS = 20  # the first steps whose losses every variant must share with A, bit for bit
 
 
-# ---------------------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Table sizes, dim, skew and batch of a W1 run (``scale`` shrinks every table)."""
-
-    sizes: tuple[int, ...]
-    dim: int = 64
-    zipf: float = 1.1
-    batch_size: int = 8192
-    num_dense: int = 13
-    seed: int = 0
-
-    @classmethod
-    def full(cls, scale: float = 1.0, batch_size: int = 8192) -> Workload:
-        sizes = tuple(max(1, round(n * scale)) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
-        return cls(sizes=sizes, batch_size=batch_size)
-
-    @classmethod
-    def smoke(cls) -> Workload:
-        """Tiny: the Kaggle shape divided by 200 (largest table 51k rows), dim 64, batch 256
-        (a smaller dim would leave the 15% budget too little for the per-row index and slot
-        map of the tiered tables next to their caches)."""
-        sizes = tuple(max(4, n // 200) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
-        return cls(sizes=sizes, dim=64, batch_size=256)
-
-    @property
-    def row_bytes(self) -> int:
-        return (self.dim + STATE_WIDTH) * 4
-
-    @property
-    def embedding_bytes(self) -> int:
-        """Weights plus row-wise optimizer state of all tables, float32."""
-        return sum(self.sizes) * self.row_bytes
-
-    def table_init(self, table: int, rows: int) -> RowSeededUniform:
-        """Table ``table``'s initial rows, uniform in ``[-sqrt(1/rows), sqrt(1/rows)]`` as
-        TorchRec's FUSED kernel draws them, but the same under every variant's placement."""
-        bound = math.sqrt(1.0 / rows)
-        return RowSeededUniform(seed=self.seed * 1000 + table, dim=self.dim, low=-bound, high=bound)
-
-    def configs(self, sizes: Sequence[int] | None = None) -> list[EmbeddingBagConfig]:
-        return [
-            EmbeddingBagConfig(
-                name=f"t_cat_{i}",
-                embedding_dim=self.dim,
-                num_embeddings=n,
-                feature_names=[f"cat_{i}"],
-                init_fn=self.table_init(i, n),
-            )
-            for i, n in enumerate(sizes or self.sizes)
-        ]
-
-    def dataset(self, sizes: Sequence[int] | None = None) -> SyntheticCriteoDataset:
-        return SyntheticCriteoDataset(
-            SyntheticDataConfig(
-                batch_size=self.batch_size,
-                num_batches=1 << 30,
-                seed=self.seed,
-                num_dense_features=self.num_dense,
-                num_sparse_features=len(self.sizes),
-                num_embeddings_per_feature=list(sizes or self.sizes),
-                zipf_exponents=[self.zipf],
-                pooling_factors=[1],
-            )
-        )
+# ---------------------------------------------------------------------------------- worker
 
 
 @dataclass
@@ -254,453 +161,6 @@ class WorkerSpec:
     reference_losses: list[float] | None = None
     check_only: bool = False  # A run for its first losses only (when A is not timed)
     smoke: bool = False
-
-
-# ------------------------------------------------------------------------------------ model
-
-
-class W1Model(nn.Module):
-    """The embedding bag collection plus a small dense part; returns the BCE loss.
-
-    ``logit = over(concat(relu(dense(x)), pooled embeddings))`` with 16-wide layers: a few
-    percent of the step next to 26 lookups of batch x dim."""
-
-    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, width: int = 16) -> None:
-        super().__init__()
-        self.ebc = ebc
-        num_tables = len(ebc.embedding_bag_configs())
-        dim = ebc.embedding_bag_configs()[0].embedding_dim
-        self.dense = nn.Linear(num_dense, width)
-        self.over = nn.Sequential(
-            nn.Linear(width + num_tables * dim, width), nn.ReLU(), nn.Linear(width, 1)
-        )
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``(loss, (loss, logits))``, detached in the second part: the shape TorchRec's train
-        pipelines expect (losses to backpropagate, then the output)."""
-        pooled = self.ebc(batch.sparse_features).values()
-        x = torch.cat([torch.relu(self.dense(batch.dense_features)), pooled], dim=1)
-        logit = self.over(x).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
-        return loss, (loss.detach(), logit.detach())
-
-
-@dataclass
-class Built:
-    """A sharded model ready to train, with what the run reports about it."""
-
-    model: DistributedModelParallel
-    dense_optimizer: KeyedOptimizerWrapper
-    files: list[Path] = field(default_factory=list)
-    plan_text: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-    mappings: list[mmap.mmap] = field(default_factory=list)
-
-
-def _fused_params() -> dict[str, Any]:
-    return {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR}
-
-
-def _shard(
-    wl: Workload,
-    sizes: Sequence[int],
-    sharder: EmbeddingBagCollectionSharder,
-    plan: EmbeddingModuleShardingPlan | None,
-) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
-    configs = wl.configs(sizes)
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    torch.manual_seed(wl.seed)  # the dense part's weights: the same in every variant
-    model = W1Model(ebc, wl.num_dense)
-    if plan is None:
-        plan = construct_module_sharding_plan(
-            ebc,
-            {c.name: table_wise(rank=0, compute_kernel="fused") for c in configs},
-            sharder=sharder,
-            local_size=1,
-            world_size=1,
-            device_type="cpu",
-        )
-    dmp = DistributedModelParallel(
-        model,
-        device=torch.device("cpu"),
-        plan=ShardingPlan({EBC_NAME: plan}),
-        sharders=[sharder],  # type: ignore[list-item]
-    )
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=LR),
-    )
-    return dmp, dense
-
-
-def probe_sizes(wl: Workload) -> list[int]:
-    """Tables small enough that their bytes vanish next to the process's own overhead."""
-    return [min(n, 1024) for n in wl.sizes]
-
-
-def build_fused(wl: Workload, sizes: Sequence[int] | None = None) -> Built:
-    """A (and the probe): TorchRec's own sharder and FUSED kernel, every table in DRAM."""
-    sharder = EmbeddingBagCollectionSharder(fused_params=_fused_params())
-    model, dense = _shard(wl, sizes or wl.sizes, sharder, None)
-    return Built(model, dense, plan_text="every table on TorchRec's FUSED kernel in DRAM")
-
-
-class _HashableBuffers(dict[str, torch.Tensor]):
-    """fbgemm's ``preallocated_host_buffers`` as a fused parameter that survives TorchRec:
-    TorchRec deep-copies fused parameters per table (``merge_fused_params``), which would copy
-    the mapped files into anonymous memory, and groups tables by a hash of them. So copies are
-    the object itself and the hash is its identity."""
-
-    __hash__ = object.__hash__  # type: ignore[assignment]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _HashableBuffers:
-        return self
-
-    def __copy__(self) -> _HashableBuffers:
-        return self
-
-
-B_WEIGHTS = "weights.f32"
-B_MOMENTUM = "momentum1.f32"
-
-
-def init_mmap_files(wl: Workload, directory: Path) -> list[Path]:
-    """Writes B's two files once, before any capped run: the weights of all tables back to back
-    in table order (the layout of the single fused TBE), each table's rows as every variant
-    initializes them (:meth:`Workload.table_init`), and the row-wise momentum as zeros. Every
-    byte is written (a fault on a hole of a sparse file would read nothing from disk), then
-    the files are evicted from the page cache."""
-    directory.mkdir(parents=True, exist_ok=True)
-    chunk = max(1, (64 << 20) // (wl.dim * 4))
-    weights, momentum = directory / B_WEIGHTS, directory / B_MOMENTUM
-    with open(weights, "wb") as f:
-        for table, rows in enumerate(wl.sizes):
-            init = wl.table_init(table, rows)
-            for start in range(0, rows, chunk):
-                block = torch.empty(min(chunk, rows - start), wl.dim)
-                init.fill(block, start)
-                f.write(block.numpy().tobytes())
-    zeros = np.zeros(chunk * wl.dim, dtype=np.float32).tobytes()
-    left = sum(wl.sizes) * STATE_WIDTH * 4
-    with open(momentum, "wb") as f:
-        while left:
-            n = min(left, len(zeros))
-            f.write(zeros[:n])
-            left -= n
-    drop_file_cache([weights, momentum])
-    return [weights, momentum]
-
-
-def _map_file(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """A float32 tensor over a shared, writable mapping of ``path`` (``nbytes`` long)."""
-    if path.stat().st_size != nbytes:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes, expected {nbytes}")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mapping = mmap.mmap(
-            fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    finally:
-        os.close(fd)
-    return mapping, torch.frombuffer(mapping, dtype=torch.float32)
-
-
-@contextlib.contextmanager
-def _skip_torchrec_init() -> Iterator[None]:
-    """TorchRec initializes FUSED tables twice while sharding (the kernel's
-    ``init_parameters`` and the sharded collection's ``reset_parameters``); on B's mappings
-    each pass writes every row through the page cache of the capped process. B's files hold
-    that initialization already, so both are skipped while B is built."""
-    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
-    saved = (
-        BatchedFusedEmbeddingBag.init_parameters,
-        ShardedEmbeddingBagCollection.reset_parameters,
-    )
-    BatchedFusedEmbeddingBag.init_parameters = lambda self: None  # type: ignore[method-assign]
-    ShardedEmbeddingBagCollection.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        (
-            BatchedFusedEmbeddingBag.init_parameters,  # type: ignore[method-assign]
-            ShardedEmbeddingBagCollection.reset_parameters,  # type: ignore[method-assign]
-        ) = saved
-
-
-def build_mmap(wl: Workload, directory: Path, advice: str) -> Built:
-    """B: TorchRec's FUSED kernel (one fbgemm TBE for all 26 tables) whose host weights and
-    row-wise momentum are shared mappings of the files :func:`init_mmap_files` wrote, handed
-    to fbgemm's TBE constructor as ``preallocated_host_buffers``.
-
-    TorchRec would initialize the weights again while sharding, writing all of them through
-    the mapping inside the capped process (minutes of dirty-page write-back under the cap);
-    the files already hold that initialization, so those passes are skipped here
-    (:func:`_skip_torchrec_init`), and the TBE's table layout is checked against the files'."""
-    rows = sum(wl.sizes)
-    weights_path, momentum_path = directory / B_WEIGHTS, directory / B_MOMENTUM
-    w_map, weights = _map_file(weights_path, rows * wl.dim * 4)
-    m_map, momentum = _map_file(momentum_path, rows * STATE_WIDTH * 4)
-    if advice == "random":
-        for m in (w_map, m_map):
-            m.madvise(mmap.MADV_RANDOM)
-    params = _fused_params()
-    params["preallocated_host_buffers"] = _HashableBuffers(weights=weights, momentum1=momentum)
-    sharder = EmbeddingBagCollectionSharder(fused_params=params)
-    with _skip_torchrec_init():
-        model, dense = _shard(wl, wl.sizes, sharder, None)
-    tbes = fused_tbes(model)
-    if len(tbes) != 1:
-        raise RuntimeError(f"expected one fused TBE for all tables, found {len(tbes)}")
-    tbe = tbes[0]
-    expected = [sum(wl.sizes[:t]) * wl.dim for t in range(len(wl.sizes))]
-    if tbe.weights_offsets.tolist() != expected:
-        raise RuntimeError("the fused TBE orders its tables unlike the files; cannot reuse them")
-    on_mapping = (
-        tbe.weights_host.data_ptr() == weights.data_ptr()
-        and tbe.momentum1_host.data_ptr() == momentum.data_ptr()
-    )
-    return Built(
-        model,
-        dense,
-        files=[weights_path, momentum_path],
-        plan_text=(
-            f"every table on TorchRec's FUSED kernel; weights and momentum mmap'd from "
-            f"{weights_path.name} ({weights_path.stat().st_size / 2**30:.2f} GiB) and "
-            f"{momentum_path.name} (madvise {advice})"
-        ),
-        info={"tbe_weights_are_the_mapping": on_mapping, "madvise": advice},
-        mappings=[w_map, m_map],
-    )
-
-
-def fused_tbes(model: DistributedModelParallel) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
-    """fbgemm modules of the FUSED (non-tiered) kernels (TorchRec hides lookups from
-    ``modules()``, so walk them)."""
-    out = []
-    for lookup in getattr(model.module, EBC_NAME)._lookups:
-        inner = getattr(lookup, "module", lookup)
-        for kernel in getattr(inner, "_emb_modules", []):
-            tbe = getattr(kernel, "_emb_module", None)
-            if isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen) and not hasattr(
-                kernel, "tiers"
-            ):
-                out.append(tbe)
-    return out
-
-
-def verify_mapping(built: Built, wl: Workload, batch: Batch) -> dict[str, Any]:
-    """Checks that B trained on the files: the TBE's tensors are the mappings, and rows the
-    last batch updated read back from the weight file (``pread``, not the mapping) equal the
-    kernel's values for them."""
-    tbe = fused_tbes(built.model)[0]
-    weights = tbe.split_embedding_weights()
-    offsets = tbe.weights_offsets.tolist()
-    kjt = batch.sparse_features
-    checked, equal = 0, True
-    fd = os.open(built.files[0], os.O_RDONLY)
-    try:
-        for t in (int(np.argmax(wl.sizes)), 0):
-            ids = kjt[f"cat_{t}"].values()[:8].tolist()
-            for row in ids:
-                raw = os.pread(fd, wl.dim * 4, (offsets[t] + row * wl.dim) * 4)
-                on_file = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-                equal &= bool(torch.equal(on_file, weights[t][row]))
-                checked += 1
-    finally:
-        os.close(fd)
-    return {
-        "tbe_weights_are_the_mapping": built.info["tbe_weights_are_the_mapping"],
-        "rows_checked_on_file": checked,
-        "file_rows_equal_kernel_rows": equal,
-    }
-
-
-SMOKE_PASS_BYTES = 65536  # the smoke run's I/O passes: its DRAM budget is a few MiB
-
-
-def w1_host(budget_bytes: int, layout: str | None = None, smoke: bool = False) -> HostTopology:
-    """The host W1 plans and opens its tiers for: the ``local`` hardware preset with DRAM for
-    embeddings set to the budget and without the byte tier (under a memory cap a
-    memory-mapped byte tier lives in the capped page cache, i.e. it is DRAM the budget already
-    counts: that is variant B), its block tier in ``layout`` (the preset's when None)."""
-    overrides = ["hardware.byte_scm=null"]
-    if smoke:
-        overrides.append(f"hardware.block_scm.max_pass_bytes={SMOKE_PASS_BYTES}")
-    if layout is not None:
-        overrides.append(f"hardware.block_scm.layout={layout}")
-    host = load_topology("local", overrides)
-    host.dram.capacity = str(parse_size(host.dram_reserved) + budget_bytes)
-    return host
-
-
-def tiered_plan(
-    wl: Workload,
-    host: HostTopology,
-    lookahead: int,
-    sharder: TieredEmbeddingBagCollectionSharder,
-) -> tuple[EmbeddingModuleShardingPlan, str, dict[str, Any]]:
-    """The tiered planner's plan for ``host`` (see :func:`w1_host`)."""
-    configs = wl.configs()
-    access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
-    config = PlannerConfig().for_lookahead(lookahead)
-    plan, summary = plan_tables(
-        configs, host, 1, wl.batch_size, None, sharder, access=access, config=config
-    )
-    info = {
-        "planner": "torchrec_mtrains.planner.plan_tables (local preset, byte tier removed)",
-        "predicted_step_ms": summary.step_time_s * 1e3,
-        "planned_dram_bytes": summary.bytes_per_tier().get(Tier.DRAM, 0),
-        "tiers": {
-            name: {
-                "kernel": ps.compute_kernel,
-                "tier": ps.tier_options.tier.value if hasattr(ps, "tier_options") else "dram",
-                "cache_load_factor": (
-                    ps.tier_options.cache_load_factor if hasattr(ps, "tier_options") else None
-                ),
-            }
-            for name, ps in plan.items()
-        },
-    }
-    return plan, str(summary), info
-
-
-def build_tiered(
-    wl: Workload,
-    directory: Path,
-    budget_bytes: int,
-    lookahead: int,
-    layout: str | None = None,
-    smoke: bool = False,
-) -> Built:
-    """Ours: the tiered plan for the budget, its stores opened as the app opens them, with the
-    options of the host the planner costs (``store_options``)."""
-    host = w1_host(budget_bytes, layout, smoke)
-    storage = TierStorage(
-        root=str(directory), tier_options=store_options(host), open_mode=OpenMode.OPEN_OR_CREATE
-    )
-    sharder = TieredEmbeddingBagCollectionSharder(
-        storage, offer_tiered_kernel=True, fused_params=_fused_params()
-    )
-    plan, text, info = tiered_plan(wl, host, lookahead, sharder)
-    assert host.block_scm is not None
-    info["block_layout"] = host.block_scm.layout
-    info["store_options"] = {k: str(v) for k, v in storage.tier_options.items()}
-    model, dense = _shard(wl, wl.sizes, sharder, plan)
-    files = [p for p in directory.rglob("*.rows")]
-    return Built(model, dense, files=files, plan_text=text, info=info)
-
-
-def tiered_groups(model: DistributedModelParallel) -> list[TieredTableGroup]:
-    return list(getattr(model.module, EBC_NAME).tiered_groups())
-
-
-# ---------------------------------------------------------------------------- instruments
-
-
-class TierClock:
-    """Times the block tier's work: each store read and write call (on whichever tier worker
-    made it) and the time at least one read (write) was in flight, which is what a rate over
-    several concurrent workers must divide by; plus the kernel's own counters
-    (``TieredTableGroup.io_counters``): the training thread's stall and the workers' I/O time."""
-
-    def __init__(self, groups: list[TieredTableGroup]) -> None:
-        self.groups = groups
-        self._lock = threading.Lock()
-        self.calls_s = {"read": 0.0, "write": 0.0}
-        self.busy_s = {"read": 0.0, "write": 0.0}
-        self.rows = {"read": 0, "write": 0}
-        self._active = {"read": 0, "write": 0}
-        self._since = {"read": 0.0, "write": 0.0}
-        for group in groups:
-            for shard in group.shards:
-                store = shard.store
-                # Wraps the stores' calls in place: timing, nothing else, changes.
-                store.read_rows = self._timed(store.read_rows, "read")  # type: ignore[method-assign]
-                store.write_rows = self._timed(store.write_rows, "write")  # type: ignore[method-assign]
-
-    def _timed(self, fn: Any, key: str) -> Any:
-        def wrapped(ids: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                t0 = time.perf_counter()
-                if self._active[key] == 0:
-                    self._since[key] = t0
-                self._active[key] += 1
-            try:
-                return fn(ids, *args, **kwargs)
-            finally:
-                with self._lock:
-                    t1 = time.perf_counter()
-                    self._active[key] -= 1
-                    if self._active[key] == 0:
-                        self.busy_s[key] += t1 - self._since[key]
-                    self.calls_s[key] += t1 - t0
-                    self.rows[key] += len(ids)
-
-        return wrapped
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            out = {f"{k}_calls_s": v for k, v in self.calls_s.items()}
-            out.update({f"{k}_busy_s": v for k, v in self.busy_s.items()})
-            out.update({f"rows_{k}": float(v) for k, v in self.rows.items()})
-        counters = [g.io_counters() for g in self.groups]
-        out["stall_s"] = sum(c.stall_seconds for c in counters)
-        out["io_s"] = sum(c.io_seconds for c in counters)
-        return out
-
-
-def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of this process's threads so far, by role: the training
-    (main) thread, the tier I/O workers, and the rest (gloo, OpenMP, ...)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {"main": 0.0, "tier_io": 0.0, "other": 0.0}
-    workers = {t.native_id for t in threading.enumerate() if t.name.startswith("mtrains-tier-io")}
-    main_id = threading.main_thread().native_id
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        tid = int(task.name)
-        role = "main" if tid == main_id else "tier_io" if tid in workers else "other"
-        out[role] += cpu
-    return out
-
-
-def tier_snapshot(groups: list[TieredTableGroup]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for group in groups:
-        out.update(group.stats())
-    return out
-
-
-def tier_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, Any]:
-    tables: dict[str, dict[str, float]] = {}
-    for name, stats in after.items():
-        d = {k: v - before[name].get(k, 0.0) for k, v in stats.items() if k != "hit_rate"}
-        d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else 0.0
-        tables[name] = d
-    lookups = sum(t["lookups"] for t in tables.values())
-    hits = sum(t["hits"] for t in tables.values())
-    return {
-        "hit_rate": hits / lookups if lookups else None,
-        "lookups": lookups,
-        "misses": lookups - hits,
-        "writebacks": sum(t["writebacks"] for t in tables.values()),
-        "tier_bytes_read": sum(t["tier_bytes_read"] for t in tables.values()),
-        "tier_bytes_written": sum(t["tier_bytes_written"] for t in tables.values()),
-        "tier_io_calls": sum(t.get("tier_io_calls", 0.0) for t in tables.values()),
-        "tables": tables,
-    }
-
-
-# ---------------------------------------------------------------------------------- worker
 
 
 class BatchStream:
@@ -826,25 +286,6 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         result["peak_rss_after_close_bytes"] = ProcessCounters.peak_rss_bytes()
         write_json(Path(spec.out), result)
     return result
-
-
-def isolated_block_reads(groups: list[TieredTableGroup], rows: int, calls: int = 20) -> Any:
-    """Random single-row reads from the largest block-tier table alone (no training running),
-    in calls of ``rows`` ids, the size of a step's misses: the tier's miss service without
-    competition for the CPU."""
-    shards = [sh for g in groups for sh in g.shards if sh.store.serves_tier == "block_scm"]
-    if not shards or rows <= 0:
-        return None
-    store = max(shards, key=lambda sh: sh.local_rows).store
-    rng = np.random.default_rng(1)
-    n, spent = 0, 0.0
-    for _ in range(calls):
-        ids = np.unique(rng.integers(0, store.layout.num_rows, rows))
-        t0 = time.perf_counter()
-        store.read_rows(ids)
-        spent += time.perf_counter() - t0
-        n += ids.size
-    return {"table_rows": store.layout.num_rows, "rows_per_call": rows, "rows_per_s": n / spent}
 
 
 def train(
@@ -1045,40 +486,27 @@ class Runner:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
         # Every run sits in a cgroup when possible, so peaks are measured alike; only B and
         # ours get a limit.
-        use_cgroup = self.args.cgroup.ok
         limit = cap if self.capped else None
-        record: dict[str, Any] = {"cap_bytes": limit}
         print(
             f"--- {tag}: " + (f"cap {limit / 2**30:.2f} GiB" if limit else "no memory cap"),
             flush=True,
         )
-        t0 = time.perf_counter()
-        env = worker_env(self.args.thp)
-        if use_cgroup:
-            with MemoryCgroup(self.args.cgroup, tag, limit) as cg:
-                done = subprocess.run(cmd, preexec_fn=cg.join_self, check=False, env=env)
-                record["cgroup_peak_bytes"] = cg.peak_bytes()
-                stat = cg.stat()
-                record["cgroup_cache_bytes_at_exit"] = stat.get("cache")
-                record["oom_kills"] = cg.oom_kills()
-        else:
-            done = subprocess.run(cmd, check=False, env=env)
-        record["wall_s"] = time.perf_counter() - t0
-        record["returncode"] = done.returncode
+        record = run_capped(cmd, self.args.cgroup, tag, limit, env=worker_env(self.args.thp))
+        record["cgroup_cache_bytes_at_exit"] = record.pop("cgroup_stat_at_exit", {}).get("cache")
         shutil.rmtree(directory, ignore_errors=True)  # disk for the next run's files
         if out.exists():  # measured; a failure after that (the final flush) is noted
             record.update(json.loads(out.read_text()))
             if "loss_mismatch" in record:
                 raise LossMismatch(record["loss_mismatch"])
             record["ok"] = True
-            if done.returncode != 0:
+            if record["returncode"] != 0:
                 record["failed_at_close"] = True
                 print(f"--- {tag}: measured, then failed at its final flush", flush=True)
         else:
             record["ok"] = False
             record["variant"], record["budget_fraction"] = variant, budget
             why = "killed by the OOM killer" if record.get("oom_kills") else "failed"
-            print(f"--- {tag}: {why} (exit {done.returncode})", flush=True)
+            print(f"--- {tag}: {why} (exit {record['returncode']})", flush=True)
         return record
 
 

@@ -31,23 +31,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from torchrec_mtrains.benchmark.measure import disk_free_bytes, machine_info, write_json
+from torchrec_mtrains.benchmark.memory_cap import CgroupSupport, cgroup_support, run_capped
 from torchrec_mtrains.planner import parse_size
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    MemoryCgroup,
-    cgroup_support,
-    disk_free_bytes,
-    machine_info,
-    write_json,
-)
 
 REPO = Path(__file__).resolve().parents[1]
 STATE_WIDTH = 1  # row-wise Adagrad
@@ -148,87 +140,11 @@ def check_losses(ours: list[float], reference: list[float]) -> str | None:
     return None
 
 
-class AnonPeak:
-    """Samples, every ``interval`` seconds, the anonymous memory (heap, tensors) of the app: the
-    cgroup's ``rss`` (v1) / ``anon`` (v2) when it runs in one, else the process's ``RssAnon``.
-
-    The process's own peak RSS counts the tier files' pages it maps while checkpointing: page
-    cache the kernel reclaims at the cap (and shared libraries charged elsewhere), so it can
-    exceed a cap the cgroup enforces. The anonymous peak is what the process itself needs."""
-
-    def __init__(self, cgroup: MemoryCgroup | None, interval: float = 0.1) -> None:
-        self.cgroup, self.interval, self.pid = cgroup, interval, 0
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def read(self) -> int:
-        if self.cgroup is not None:
-            stat = self.cgroup.stat()
-            return int(stat.get("rss", stat.get("anon", 0)))
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = Path(f"/proc/{self.pid}/status").read_text()
-            return int(text.split("RssAnon:")[1].split()[0]) * 1024
-        return 0
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.read())
-
-    def start(self, pid: int) -> None:
-        self.pid = pid
-        self._thread.start()
-
-    def stop(self) -> int:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        return self.peak
-
-
-def run_capped(
-    cmd: list[str], cap: int | None, log: Path, capped: bool, support: Any
-) -> dict[str, Any]:
-    """Runs ``cmd`` (in a memory cgroup capped at ``cap`` when ``capped``); returns exit code,
-    wall time, peak RSS (``wait4``) and the cgroup's peak usage and memory.stat."""
-    out: dict[str, Any] = {}
-    cg = MemoryCgroup(support, "w2_app", cap if capped else None) if support.ok else None
-    t0 = time.perf_counter()
-    try:
-        with open(log, "w") as sink:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                preexec_fn=cg.join_self if cg is not None else None,
-                env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"},  # as `make train` runs it
-            )
-            anon = AnonPeak(cg)
-            anon.start(proc.pid)
-            try:
-                _, status, usage = os.wait4(proc.pid, 0)
-            except BaseException:
-                proc.kill()
-                proc.wait()
-                raise
-            finally:
-                out["peak_anon_bytes"] = anon.stop()
-            proc.returncode = os.waitstatus_to_exitcode(status)
-        out["returncode"] = proc.returncode
-        out["wall_s"] = time.perf_counter() - t0
-        out["peak_rss_bytes"] = usage.ru_maxrss * 1024
-        out["major_faults"] = usage.ru_majflt
-        if cg is not None:
-            out["cgroup_peak_bytes"] = cg.peak_bytes()
-            out["cgroup_stat_at_exit"] = {
-                k: v for k, v in cg.stat().items() if k in ("cache", "rss", "mapped_file")
-            }
-            out["oom_kills"] = cg.oom_kills()
-    finally:
-        if cg is not None:
-            cg.remove()
-    return out
+def run_app(cmd: list[str], cap: int | None, log: Path, support: CgroupSupport) -> dict[str, Any]:
+    """Runs the app's ``cmd`` as ``make train`` runs it (transparent huge pages for large
+    tensors), capped at ``cap`` in a memory cgroup when ``support`` allows, output in ``log``."""
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    return run_capped(cmd, support, "w2_app", cap, log=log, env=env, cwd=REPO)
 
 
 def summarize(result: dict[str, Any], metrics: dict[str, Any] | None) -> dict[str, Any]:
@@ -393,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["command"] = " ".join(cmd[1:])
         print("$ python " + result["command"], flush=True)
         log = work / "app.log"
-        result["app"] = run_capped(cmd, cap, log, capped, support)
+        result["app"] = run_app(cmd, cap if capped else None, log, support)
         text = log.read_text(errors="replace")
         metrics_path = run_dir / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None

@@ -99,11 +99,11 @@ def test_w1_stops_at_a_variant_that_trains_another_model() -> None:
 def test_w1_opens_its_block_stores_with_the_presets_options(tmp_path: Path) -> None:
     """W1's stores are opened as the app opens them (store_options of the host the planner
     costs), so the local preset's queue depth, not the store's own default, reaches them."""
+    from apps.dlrm.workloads import w1
     from torchrec_mtrains.distributed.runtime import process_group
     from torchrec_mtrains.planner.presets import load_topology
     from torchrec_mtrains.tiers.options import LogBlockScmOptions
 
-    w1 = _load("w1_bench")
     wl = w1.Workload.smoke()
     preset = load_topology("local").block_scm
     assert preset is not None and preset.queue_depth != LogBlockScmOptions().queue_depth
@@ -148,18 +148,3 @@ def test_w2_check_names_the_first_step_that_differs() -> None:
     assert w2.check_losses([0.5, 0.25], [0.5, 0.25]) is None
     assert w2.check_losses([0.5, 0.3], [0.5, 0.25]) == "step 1: loss 0.3, A's 0.25"
     assert "trained 1 steps, A 2" in w2.check_losses([0.5], [0.5, 0.25])
-
-
-def test_cgroup_support_explains_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
-    common = _load("_common")
-    monkeypatch.setattr(common.os, "geteuid", lambda: 1000)
-    support = common.cgroup_support()
-    assert not support.ok and "root" in support.reason
-    with pytest.raises(RuntimeError, match="root"):
-        common.MemoryCgroup(support, "x", 1 << 30)
-
-
-def test_median_windows() -> None:
-    common = _load("_common")
-    r = common.median_windows([1.0, 2.0, 4.0], 100)
-    assert r["window_samples_per_s"] == [100.0, 50.0, 25.0] and r["samples_per_s"] == 50.0

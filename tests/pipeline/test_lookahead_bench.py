@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_benchmark_runs_both_modes_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import lookahead_bench
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location(
+        "lookahead_bench", REPO / "benchmarks" / "lookahead_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    lookahead_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lookahead_bench)
     out = tmp_path / "out.json"
     args = ["--rows", "20000", "--batch-size", "128", "--warmup", "2", "--steps", "4"]
     result = lookahead_bench.main(

@@ -25,6 +25,8 @@ from torchrec_mtrains.distributed.table_shard import TieredTableShard
 # Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
 # CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
 HOST = torch.device("cpu")
+WORKER_THREAD_PREFIX = "mtrains-tier-io"
+"""Name prefix of the tier worker threads (profilers and benchmarks tell them apart by it)."""
 _T = TypeVar("_T")
 
 
@@ -91,7 +93,7 @@ class TierIOWorker:
         """Runs ``fn(*args)`` on the worker thread, after everything submitted before it."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix="mtrains-tier-io", initializer=self.copies.enter_worker
+                1, thread_name_prefix=WORKER_THREAD_PREFIX, initializer=self.copies.enter_worker
             )
         return self._executor.submit(fn, *args)
 

@@ -1,0 +1,326 @@
+"""W1: an embedding-dominated DLRM of the Criteo Kaggle shape, built the three ways the W1
+benchmark (``benchmarks/w1_bench.py``) compares, from the same weights.
+
+26 one-hot sparse features with the Criteo Kaggle cardinalities (33.8 M rows), dim 64, Zipf(1.1)
+ids (:class:`~apps.dlrm.data.SyntheticCriteoDataset`), row-wise Adagrad fused into the
+kernels, and a small dense part, so that the embedding path dominates the step.
+
+* :func:`build_fused`: TorchRec's sharder and FUSED kernel, every table in DRAM (A).
+* :func:`build_tiered`: the tiered planner's plan for a DRAM budget on the ``local`` preset,
+  its stores opened as the app opens them (:func:`~torchrec_mtrains.planner.store_options`).
+* :mod:`apps.dlrm.workloads.mmap_baseline`: the FUSED kernel over memory-mapped files (B).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    OptimType,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from apps.dlrm.data import (
+    CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE,
+    SyntheticCriteoDataset,
+    SyntheticDataConfig,
+)
+from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.initializers import RowSeededUniform
+from torchrec_mtrains.planner import (
+    HostTopology,
+    PlannerConfig,
+    load_topology,
+    parse_size,
+    plan_tables,
+    zipf_access,
+)
+from torchrec_mtrains.planner.presets import store_options
+from torchrec_mtrains.tiers import OpenMode
+from torchrec_mtrains.types import Tier
+
+__all__ = [
+    "Built",
+    "W1Model",
+    "Workload",
+    "build_fused",
+    "build_tiered",
+    "fused_params",
+    "fused_tbes",
+    "probe_sizes",
+    "shard",
+    "tiered_groups",
+    "tiered_plan",
+    "w1_host",
+]
+
+LR = 0.05
+STATE_WIDTH = 1  # row-wise Adagrad: one float of state per row
+EBC_NAME = "ebc"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Table sizes, dim, skew and batch of a W1 run (``scale`` shrinks every table)."""
+
+    sizes: tuple[int, ...]
+    dim: int = 64
+    zipf: float = 1.1
+    batch_size: int = 8192
+    num_dense: int = 13
+    seed: int = 0
+
+    @classmethod
+    def full(cls, scale: float = 1.0, batch_size: int = 8192) -> Workload:
+        sizes = tuple(max(1, round(n * scale)) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
+        return cls(sizes=sizes, batch_size=batch_size)
+
+    @classmethod
+    def smoke(cls) -> Workload:
+        """Tiny: the Kaggle shape divided by 200 (largest table 51k rows), dim 64, batch 256
+        (a smaller dim would leave the 15% budget too little for the per-row index and slot
+        map of the tiered tables next to their caches)."""
+        sizes = tuple(max(4, n // 200) for n in CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
+        return cls(sizes=sizes, dim=64, batch_size=256)
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.dim + STATE_WIDTH) * 4
+
+    @property
+    def embedding_bytes(self) -> int:
+        """Weights plus row-wise optimizer state of all tables, float32."""
+        return sum(self.sizes) * self.row_bytes
+
+    def table_init(self, table: int, rows: int) -> RowSeededUniform:
+        """Table ``table``'s initial rows, uniform in ``[-sqrt(1/rows), sqrt(1/rows)]`` as
+        TorchRec's FUSED kernel draws them, but the same under every variant's placement."""
+        bound = math.sqrt(1.0 / rows)
+        return RowSeededUniform(seed=self.seed * 1000 + table, dim=self.dim, low=-bound, high=bound)
+
+    def configs(self, sizes: Sequence[int] | None = None) -> list[EmbeddingBagConfig]:
+        return [
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}",
+                embedding_dim=self.dim,
+                num_embeddings=n,
+                feature_names=[f"cat_{i}"],
+                init_fn=self.table_init(i, n),
+            )
+            for i, n in enumerate(sizes or self.sizes)
+        ]
+
+    def dataset(self, sizes: Sequence[int] | None = None) -> SyntheticCriteoDataset:
+        return SyntheticCriteoDataset(
+            SyntheticDataConfig(
+                batch_size=self.batch_size,
+                num_batches=1 << 30,
+                seed=self.seed,
+                num_dense_features=self.num_dense,
+                num_sparse_features=len(self.sizes),
+                num_embeddings_per_feature=list(sizes or self.sizes),
+                zipf_exponents=[self.zipf],
+                pooling_factors=[1],
+            )
+        )
+
+
+class W1Model(nn.Module):
+    """The embedding bag collection plus a small dense part; returns the BCE loss.
+
+    ``logit = over(concat(relu(dense(x)), pooled embeddings))`` with 16-wide layers: a few
+    percent of the step next to 26 lookups of batch x dim."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, width: int = 16) -> None:
+        super().__init__()
+        self.ebc = ebc
+        num_tables = len(ebc.embedding_bag_configs())
+        dim = ebc.embedding_bag_configs()[0].embedding_dim
+        self.dense = nn.Linear(num_dense, width)
+        self.over = nn.Sequential(
+            nn.Linear(width + num_tables * dim, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``(loss, (loss, logits))``, detached in the second part: the shape TorchRec's train
+        pipelines expect (losses to backpropagate, then the output)."""
+        pooled = self.ebc(batch.sparse_features).values()
+        x = torch.cat([torch.relu(self.dense(batch.dense_features)), pooled], dim=1)
+        logit = self.over(x).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
+        return loss, (loss.detach(), logit.detach())
+
+
+@dataclass
+class Built:
+    """A sharded model ready to train, with what the run reports about it."""
+
+    model: DistributedModelParallel
+    dense_optimizer: KeyedOptimizerWrapper
+    files: list[Path] = field(default_factory=list)
+    plan_text: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    mappings: list[mmap.mmap] = field(default_factory=list)
+
+
+def fused_params() -> dict[str, Any]:
+    """The optimizer every variant fuses into its kernels: row-wise Adagrad at :data:`LR`."""
+    return {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR}
+
+
+def shard(
+    wl: Workload,
+    sizes: Sequence[int],
+    sharder: EmbeddingBagCollectionSharder,
+    plan: EmbeddingModuleShardingPlan | None,
+) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """A :class:`W1Model` over tables of ``sizes``, sharded on this rank by ``sharder`` with
+    ``plan`` (``None``: every table table-wise on FUSED), and its dense optimizer."""
+    configs = wl.configs(sizes)
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    torch.manual_seed(wl.seed)  # the dense part's weights: the same in every variant
+    model = W1Model(ebc, wl.num_dense)
+    if plan is None:
+        plan = construct_module_sharding_plan(
+            ebc,
+            {c.name: table_wise(rank=0, compute_kernel="fused") for c in configs},
+            sharder=sharder,
+            local_size=1,
+            world_size=1,
+            device_type="cpu",
+        )
+    dmp = DistributedModelParallel(
+        model,
+        device=torch.device("cpu"),
+        plan=ShardingPlan({EBC_NAME: plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=LR),
+    )
+    return dmp, dense
+
+
+def probe_sizes(wl: Workload) -> list[int]:
+    """Tables small enough that their bytes vanish next to the process's own overhead."""
+    return [min(n, 1024) for n in wl.sizes]
+
+
+def build_fused(wl: Workload, sizes: Sequence[int] | None = None) -> Built:
+    """A (and the probe): TorchRec's own sharder and FUSED kernel, every table in DRAM."""
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params())
+    model, dense = shard(wl, sizes or wl.sizes, sharder, None)
+    return Built(model, dense, plan_text="every table on TorchRec's FUSED kernel in DRAM")
+
+
+def fused_tbes(model: DistributedModelParallel) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
+    """fbgemm modules of the FUSED (non-tiered) kernels (TorchRec hides lookups from
+    ``modules()``, so walk them)."""
+    out = []
+    for lookup in getattr(model.module, EBC_NAME)._lookups:
+        inner = getattr(lookup, "module", lookup)
+        for kernel in getattr(inner, "_emb_modules", []):
+            tbe = getattr(kernel, "_emb_module", None)
+            if isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen) and not hasattr(
+                kernel, "tiers"
+            ):
+                out.append(tbe)
+    return out
+
+
+SMOKE_PASS_BYTES = 65536  # the smoke run's I/O passes: its DRAM budget is a few MiB
+
+
+def w1_host(budget_bytes: int, layout: str | None = None, smoke: bool = False) -> HostTopology:
+    """The host W1 plans and opens its tiers for: the ``local`` hardware preset with DRAM for
+    embeddings set to the budget and without the byte tier (under a memory cap a
+    memory-mapped byte tier lives in the capped page cache, i.e. it is DRAM the budget already
+    counts: that is variant B), its block tier in ``layout`` (the preset's when None)."""
+    overrides = ["hardware.byte_scm=null"]
+    if smoke:
+        overrides.append(f"hardware.block_scm.max_pass_bytes={SMOKE_PASS_BYTES}")
+    if layout is not None:
+        overrides.append(f"hardware.block_scm.layout={layout}")
+    host = load_topology("local", overrides)
+    host.dram.capacity = str(parse_size(host.dram_reserved) + budget_bytes)
+    return host
+
+
+def tiered_plan(
+    wl: Workload,
+    host: HostTopology,
+    lookahead: int,
+    sharder: TieredEmbeddingBagCollectionSharder,
+) -> tuple[EmbeddingModuleShardingPlan, str, dict[str, Any]]:
+    """The tiered planner's plan for ``host`` (see :func:`w1_host`)."""
+    configs = wl.configs()
+    access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
+    config = PlannerConfig().for_lookahead(lookahead)
+    plan, summary = plan_tables(
+        configs, host, 1, wl.batch_size, None, sharder, access=access, config=config
+    )
+    info = {
+        "planner": "torchrec_mtrains.planner.plan_tables (local preset, byte tier removed)",
+        "predicted_step_ms": summary.step_time_s * 1e3,
+        "planned_dram_bytes": summary.bytes_per_tier().get(Tier.DRAM, 0),
+        "tiers": {
+            name: {
+                "kernel": ps.compute_kernel,
+                "tier": ps.tier_options.tier.value if hasattr(ps, "tier_options") else "dram",
+                "cache_load_factor": (
+                    ps.tier_options.cache_load_factor if hasattr(ps, "tier_options") else None
+                ),
+            }
+            for name, ps in plan.items()
+        },
+    }
+    return plan, str(summary), info
+
+
+def build_tiered(
+    wl: Workload,
+    directory: Path,
+    budget_bytes: int,
+    lookahead: int,
+    layout: str | None = None,
+    smoke: bool = False,
+) -> Built:
+    """Ours: the tiered plan for the budget, its stores opened as the app opens them, with the
+    options of the host the planner costs (``store_options``)."""
+    host = w1_host(budget_bytes, layout, smoke)
+    storage = TierStorage(
+        root=str(directory), tier_options=store_options(host), open_mode=OpenMode.OPEN_OR_CREATE
+    )
+    sharder = TieredEmbeddingBagCollectionSharder(
+        storage, offer_tiered_kernel=True, fused_params=fused_params()
+    )
+    plan, text, info = tiered_plan(wl, host, lookahead, sharder)
+    assert host.block_scm is not None
+    info["block_layout"] = host.block_scm.layout
+    info["store_options"] = {k: str(v) for k, v in storage.tier_options.items()}
+    model, dense = shard(wl, wl.sizes, sharder, plan)
+    files = [p for p in directory.rglob("*.rows")]
+    return Built(model, dense, files=files, plan_text=text, info=info)
+
+
+def tiered_groups(model: DistributedModelParallel) -> list[TieredTableGroup]:
+    """The tiered kernels' table groups of a W1 model (none for A and B)."""
+    return list(getattr(model.module, EBC_NAME).tiered_groups())

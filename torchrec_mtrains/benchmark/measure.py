@@ -1,0 +1,194 @@
+"""What a benchmark reads about its own process and machine, and how it writes its results.
+
+* :class:`ProcessCounters` snapshots what the kernel counts for this process (storage bytes read
+  and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
+  role (training thread, tier I/O workers, the rest).
+* :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
+* :func:`median_windows` turns timed windows into samples/s; :func:`machine_info` and
+  :func:`write_json` record what a run ran on and what it measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrec_mtrains.distributed.tier_io import WORKER_THREAD_PREFIX
+
+__all__ = [
+    "ProcessCounters",
+    "disk_free_bytes",
+    "drop_file_cache",
+    "machine_info",
+    "median_windows",
+    "rss_bytes",
+    "thread_cpu_seconds",
+    "write_json",
+]
+
+
+def drop_file_cache(paths: Iterable[Path]) -> int:
+    """Writes back and evicts the page cache of every file under ``paths`` (files or
+    directories); returns the number of files. Pages still mapped by a live process stay."""
+    count = 0
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for path in files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                with contextlib.suppress(OSError):
+                    os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+            finally:
+                os.close(fd)
+    return count
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding ``path`` (or its nearest existing parent)."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _proc_io() -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            out[key.strip()] = int(value)
+    return out
+
+
+def rss_bytes() -> int:
+    """Current resident set size (VmRSS) of this process."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _vm_hwm_bytes() -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class ProcessCounters:
+    """A snapshot of this process's kernel counters; subtract two for an interval."""
+
+    time_s: float
+    cpu_s: float
+    read_bytes: int  # storage reads caused by this process (page-cache misses, O_DIRECT)
+    write_bytes: int  # storage writes (write-back of dirtied pages, O_DIRECT)
+    major_faults: int  # page faults that waited for storage
+    minor_faults: int
+
+    @classmethod
+    def now(cls) -> ProcessCounters:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        io = _proc_io()
+        return cls(
+            time_s=time.perf_counter(),
+            cpu_s=ru.ru_utime + ru.ru_stime,
+            read_bytes=io.get("read_bytes", 0),
+            write_bytes=io.get("write_bytes", 0),
+            major_faults=ru.ru_majflt,
+            minor_faults=ru.ru_minflt,
+        )
+
+    def rates_since(self, before: ProcessCounters) -> dict[str, float]:
+        """Rates over the interval from ``before`` to this snapshot."""
+        dt = max(self.time_s - before.time_s, 1e-9)
+        return {
+            "seconds": dt,
+            "cpu_utilization": (self.cpu_s - before.cpu_s) / dt,
+            "read_mb_s": (self.read_bytes - before.read_bytes) / dt / 1e6,
+            "write_mb_s": (self.write_bytes - before.write_bytes) / dt / 1e6,
+            "major_faults_s": (self.major_faults - before.major_faults) / dt,
+            "minor_faults_s": (self.minor_faults - before.minor_faults) / dt,
+        }
+
+    @staticmethod
+    def peak_rss_bytes() -> int:
+        return _vm_hwm_bytes()
+
+
+def median_windows(window_seconds: list[float], samples_per_window: int) -> dict[str, Any]:
+    """Samples/s of each timed window and their median."""
+    rates = [samples_per_window / s for s in window_seconds if s > 0]
+    return {
+        "window_seconds": window_seconds,
+        "window_samples_per_s": rates,
+        "samples_per_s": statistics.median(rates) if rates else 0.0,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """What the run ran on: CPU count, memory, kernel, load average at the time of the call."""
+    mem_total = 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "mem_total_bytes": mem_total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def write_json(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by role: the training
+    (main) thread, the tier I/O workers, and the rest (gloo, OpenMP, ...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"main": 0.0, "tier_io": 0.0, "other": 0.0}
+    workers = {
+        t.native_id for t in threading.enumerate() if t.name.startswith(WORKER_THREAD_PREFIX)
+    }
+    main_id = threading.main_thread().native_id
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        tid = int(task.name)
+        role = "main" if tid == main_id else "tier_io" if tid in workers else "other"
+        out[role] += cpu
+    return out
