@@ -37,6 +37,22 @@ def test_a_mapping_of_options_becomes_the_tiers_typed_options(tmp_path: Path) ->
     assert storage.options_for(Tier.DRAM) == DramOptions()
 
 
+def test_given_options_are_resolved_once_when_the_storage_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each store asks the storage for its options: those given were resolved (checked, typed,
+    given a layout) when the storage was made, and are handed out as they are."""
+    import torchrec_mtrains.distributed.options as storage_options
+
+    storage = TierStorage(tier_options={"block_scm": {"queue_depth": 4}})
+
+    def resolved_again(*args: object) -> None:
+        raise AssertionError(f"options resolved again: {args}")
+
+    monkeypatch.setattr(storage_options, "placement_options", resolved_again)
+    assert storage.options_for(Tier.BLOCK_SCM) is storage.tier_options["block_scm"]
+
+
 def test_typed_options_are_kept_as_given() -> None:
     block = BlockScmOptions(queue_depth=8)
     storage = TierStorage(tier_options={Tier.BLOCK_SCM: block})  # type: ignore[dict-item]

@@ -226,8 +226,12 @@ class TierStorage:
     def options_for(self, tier: Tier) -> TierOptions:
         """The options ``tier``'s stores are opened with: those given, else the defaults of the
         tier's default layout. Their ``tier`` names the store that keeps the rows (for
-        ``block_scm``: ``log_block_scm``, or ``block_scm`` in the flat layout)."""
-        return placement_options(tier.value, self.tier_options.get(tier.value))
+        ``block_scm``: ``log_block_scm``, or ``block_scm`` in the flat layout). Given options
+        were resolved once, when this storage was made; they are not resolved again per store."""
+        given = self.tier_options.get(tier.value)
+        if isinstance(given, TierOptions):
+            return given
+        return placement_options(tier.value)
 
     def store_for(self, tier: Tier) -> type[RowStore]:
         """The store class that keeps ``tier``'s rows on this host (its file layout)."""
