@@ -35,6 +35,7 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -43,7 +44,6 @@ from torchrec_mtrains.distributed.options import (
     TierStorage,
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
-from torchrec_mtrains.distributed.sharded import OutOfRangeIdError
 from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,

@@ -1,5 +1,6 @@
 """The TorchRec plugin: tiered kernels, grouped lookups, sharded modules and sharders."""
 
+from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -7,7 +8,6 @@ from torchrec_mtrains.distributed.options import (
     TieredTableOptions,
     TierStorage,
 )
-from torchrec_mtrains.distributed.sharded import OutOfRangeIdError
 from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,

@@ -61,7 +61,7 @@ class BoundsCheck(str, enum.Enum):
     the module, before the input distribution, where they are still global.
 
     * ``ERROR``: the batch is refused before any lookup with :class:`~torchrec_mtrains.
-      distributed.sharded.OutOfRangeIdError`, naming the table, the feature, the id and the
+      distributed.id_bounds.OutOfRangeIdError`, naming the table, the feature, the id and the
       valid range; nothing is read, trained or written. fbgemm runs in its ``FATAL`` mode
       behind it.
     * ``WARN``: TorchRec's default (fbgemm's ``WARNING`` mode): a warning is logged and each

@@ -11,7 +11,6 @@ chunk. Tables on TorchRec's own kernels are untouched.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_mtrains.distributed.grouping import has_tiered, regroup_as_fused
+from torchrec_mtrains.distributed.id_bounds import IdBoundsCheck
 from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
@@ -49,46 +49,12 @@ from torchrec_mtrains.distributed.sharded_state import (
     init_sharded_tensor,
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
-from torchrec_mtrains.distributed.tiered_tables import TableIdError, TieredTableGroup
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.initializers import RowAddressedInit
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 _CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
-
-
-class OutOfRangeIdError(TableIdError):
-    """A batch entering a sharded module holds row ids outside their tables; it was refused
-    before any lookup (with :attr:`BoundsCheck.ERROR`), so nothing was read, trained or
-    written.
-
-    Attributes:
-        table: the table of the first out-of-range id (in the batch's key order).
-        feature: the feature that id came in.
-        row_id: the id.
-        num_rows: the table's rows: ids must lie in ``[0, num_rows)``.
-        counts: out-of-range ids in the batch, per table.
-    """
-
-    def __init__(
-        self, table: str, feature: str, row_id: int, num_rows: int, counts: Mapping[str, int]
-    ) -> None:
-        self.table, self.feature, self.row_id, self.num_rows = table, feature, row_id, num_rows
-        self.counts = dict(counts)
-        total = sum(self.counts.values())
-        where = ", ".join(f"{t} {n}" for t, n in sorted(self.counts.items()))
-        super().__init__(
-            f"table {table!r}: row id {row_id} (feature {feature!r}) out of range "
-            f"[0, {num_rows}); the batch was refused before any lookup, nothing was written "
-            f"({total} out-of-range id(s) in it: {where}; bounds check 'warn' would look up "
-            "row 0 instead, as TorchRec does)"
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable, e.g. to tell the other ranks
-        return (
-            type(self),
-            (self.table, self.feature, self.row_id, self.num_rows, self.counts),
-        )
 
 
 class _TieredLookupMixin:
@@ -166,7 +132,7 @@ class _TieredShardedMixin:
     _configs_attr: str
     _tier_storage: TierStorage
     _tier_hot_rows: Mapping[str, Sequence[int]]
-    _bounds_check: BoundsCheck
+    _id_check: IdBoundsCheck
     _lookups: Any
     module_sharding_plan: Any
     _model_parallel_name_to_sharded_tensor: dict[str, Any]
@@ -183,7 +149,8 @@ class _TieredShardedMixin:
         # Set before TorchRec's constructor, which builds the lookups and state through the
         # overridden hooks below.
         object.__setattr__(self, "_tier_storage", storage)
-        object.__setattr__(self, "_bounds_check", BoundsCheck.parse(bounds_check))
+        check = IdBoundsCheck(self._configs, BoundsCheck.parse(bounds_check))
+        object.__setattr__(self, "_id_check", check)
         object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
         super().__init__(*args, **kwargs)
 
@@ -196,6 +163,10 @@ class _TieredShardedMixin:
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
         return super().input_dist(ctx, self._check_ids(features))  # type: ignore[misc]
+
+    def _check_ids(self, features: Any) -> Any:
+        """The batch as the module's bounds check lets it in (see :class:`IdBoundsCheck`)."""
+        return self._id_check.apply(features)
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         if skip_registering:
@@ -333,129 +304,9 @@ class _TieredShardedMixin:
                 if shard.name == table:
                     yield group, i, shard
 
-    def _check_ids(self, features: Any) -> Any:
-        """Applies the module's :class:`BoundsCheck` to a batch entering it, for every table
-        (TorchRec's kernels and tiered ones): the batch itself when all its ids lie in their
-        tables; with ``WARN`` a copy whose out-of-range ids are row 0.
-
-        Runs before the input distribution, where ids are still global whatever the sharding
-        (table-, row- or column-wise), so a refused batch reaches no kernel: no table plans,
-        loads, trains or writes anything. The check is one min/max per feature and one host
-        sync per batch; the details are worked out only for a batch that fails it.
-
-        Raises:
-            OutOfRangeIdError: with ``ERROR``, naming the table, the feature, the id and the
-                valid range of the first out-of-range id (in the batch's key order).
-        """
-        if not isinstance(features, KeyedJaggedTensor):
-            return features
-        values = features.values()
-        if not values.numel():
-            return features
-        keys = features.keys()
-        rows, names = self._id_bounds(keys, values.device)
-        lengths = features.length_per_key()
-        ids_of_keys = values[: sum(lengths)]
-        if min(lengths) == max(lengths):  # e.g. one id per sample and feature: one reduction
-            lo, hi = torch.aminmax(ids_of_keys.reshape(len(keys), -1), dim=1)
-        else:
-            present = [i for i, n in enumerate(lengths) if n]
-            parts = ids_of_keys.split(lengths)
-            low_high = [torch.aminmax(parts[i]) for i in present]
-            index = torch.tensor(present, device=values.device)
-            lo = torch.zeros(len(keys), dtype=values.dtype, device=values.device)
-            hi = torch.zeros_like(lo)
-            lo[index] = torch.stack([m for m, _ in low_high])
-            hi[index] = torch.stack([m for _, m in low_high])
-        bad_keys = ((lo < 0) | (hi >= rows)).nonzero().flatten().tolist()  # the one sync
-        bad_keys = [k for k in bad_keys if names[k] is not None]  # keys no table reads
-        if not bad_keys:
-            return features
-        offsets = features.offset_per_key()
-        masks: dict[int, torch.Tensor] = {}
-        for k in bad_keys:
-            ids = values[offsets[k] : offsets[k + 1]]
-            masks[k] = (ids < 0) | (ids >= rows[k])
-        counts: Counter[str] = Counter()
-        for k, mask in masks.items():
-            counts[names[k][0]] += int(mask.sum())  # type: ignore[index]
-        first = bad_keys[0]
-        table, num_rows = names[first]  # type: ignore[misc]
-        row_id = int(values[offsets[first] : offsets[first + 1]][masks[first]][0])
-        feature = keys[first]
-        if self._bounds_check is BoundsCheck.ERROR:
-            raise OutOfRangeIdError(table, feature, row_id, num_rows, dict(counts))
-        self._warn_out_of_range(table, feature, row_id, num_rows, counts)
-        fixed = values.clone()
-        for k, mask in masks.items():
-            fixed[offsets[k] : offsets[k + 1]].masked_fill_(mask, 0)
-        vbe = features.variable_stride_per_key()
-        return KeyedJaggedTensor(
-            keys=keys,
-            values=fixed,
-            weights=features.weights_or_none(),
-            lengths=features.lengths_or_none(),
-            offsets=features.offsets_or_none(),
-            stride=None if vbe else features.stride(),
-            stride_per_key_per_rank=features.stride_per_key_per_rank() if vbe else None,
-            length_per_key=lengths,
-            offset_per_key=offsets,
-            inverse_indices=features.inverse_indices_or_none(),
-        )
-
-    def _id_bounds(
-        self, keys: list[str], device: torch.device
-    ) -> tuple[torch.Tensor, list[tuple[str, int] | None]]:
-        """Per key of a batch, the row count its ids must stay below (int64's maximum for a
-        key no table reads) and ``(table, rows)`` (None for such a key); cached per key order
-        and device."""
-        cache: dict[tuple[tuple[str, ...], torch.device], Any] = self.__dict__.setdefault(
-            "_id_bounds_cache", {}
-        )
-        cache_key = (tuple(keys), device)
-        if cache_key not in cache:
-            by_feature: dict[str, tuple[str, int]] = {}
-            for config in self._configs():
-                for feature in config.feature_names:
-                    known = by_feature.get(feature)
-                    if known is None or config.num_embeddings < known[1]:
-                        by_feature[feature] = (config.name, config.num_embeddings)
-            names = [by_feature.get(key) for key in keys]
-            unread = torch.iinfo(torch.int64).max
-            rows = torch.tensor(
-                [unread if n is None else n[1] for n in names], dtype=torch.int64, device=device
-            )
-            cache[cache_key] = (rows, names)
-        rows, names = cache[cache_key]
-        return rows, names
-
-    def _warn_out_of_range(
-        self, table: str, feature: str, row_id: int, num_rows: int, counts: Mapping[str, int]
-    ) -> None:
-        """Logs a ``WARN`` batch's out-of-range ids: the first batch of each table that holds
-        some, then its 10th, 100th, ... (a dataset sized for other tables would log every
-        step). :meth:`out_of_range_ids` counts them all."""
-        totals: Counter[str] = self.__dict__.setdefault("_out_of_range", Counter())
-        batches: Counter[str] = self.__dict__.setdefault("_out_of_range_batches", Counter())
-        totals.update(counts)
-        batches.update(counts.keys())
-        logged = [t for t in counts if batches[t] == 10 ** (len(str(batches[t])) - 1)]
-        if not logged:
-            return
-        logger.warning(
-            "table %r: row id %d (feature %r) out of range [0, %d); replaced by row 0 "
-            "(bounds check 'warn', as TorchRec's fbgemm WARNING mode does). Ids replaced so "
-            "far: %s",
-            table,
-            row_id,
-            feature,
-            num_rows,
-            ", ".join(f"{t} {totals[t]} in {batches[t]} batch(es)" for t in sorted(logged)),
-        )
-
     def out_of_range_ids(self) -> dict[str, int]:
         """Out-of-range ids replaced by row 0 so far (``WARN`` only), per table."""
-        return dict(self.__dict__.get("_out_of_range", {}))
+        return self._id_check.out_of_range_ids()
 
     def _register_tiered_state(self) -> None:
         """Builds a chunked, tier-backed ShardedTensor per tiered table for state dicts."""

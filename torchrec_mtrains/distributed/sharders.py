@@ -20,6 +20,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     BOUNDS_CHECK_MODE_KEY,
     TIERED_KERNEL,
@@ -28,7 +29,6 @@ from torchrec_mtrains.distributed.options import (
     TierStorage,
 )
 from torchrec_mtrains.distributed.sharded import (
-    OutOfRangeIdError,
     TieredShardedEmbeddingBagCollection,
     TieredShardedEmbeddingCollection,
 )
@@ -197,7 +197,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
             ``bounds_check_mode``: ``bounds_check`` sets it.
         bounds_check: what a batch holding a row id outside its table does, the same for
             every table: ``BoundsCheck.ERROR`` (default) refuses it before any lookup with
-            :class:`~torchrec_mtrains.distributed.sharded.OutOfRangeIdError` naming the table,
+            :class:`~torchrec_mtrains.distributed.id_bounds.OutOfRangeIdError` naming the table,
             the feature, the id and the valid range; ``BoundsCheck.WARN`` does what TorchRec's
             kernels do by default (fbgemm's WARNING mode): logs it and looks up row 0 of the
             table instead. A string (``"error"``, ``"warn"``) is accepted too.
