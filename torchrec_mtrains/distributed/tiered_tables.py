@@ -5,6 +5,11 @@ tier and the :class:`TableCache` that decides which rows sit in the fused module
 weight and optimizer-state tensors. Before a forward it turns the batch's row ids into cache
 slots, writing evicted dirty rows back to the tier and reading missing rows in; the fused kernel
 then computes and updates rows in place on the slots, exactly as it would on a whole table.
+
+Why one file over ~600 lines: it is one class, the façade the kernel, the views, checkpoints and
+the pipeline all go through, and nearly every method orders its work against the same queue of
+in-flight batches on the same I/O worker; the parts with a job of their own already live
+beside it (:mod:`.table_shard`, :mod:`.tier_io`, :mod:`.checkpoint_views`).
 """
 
 from __future__ import annotations
