@@ -148,3 +148,15 @@ def test_w2_check_names_the_first_step_that_differs() -> None:
     assert w2.check_losses([0.5, 0.25], [0.5, 0.25]) is None
     assert w2.check_losses([0.5, 0.3], [0.5, 0.25]) == "step 1: loss 0.3, A's 0.25"
     assert "trained 1 steps, A 2" in w2.check_losses([0.5], [0.5, 0.25])
+
+
+def test_multi_read_smoke(tmp_path: Path) -> None:
+    """Both ways read the same rows and report their costs; nothing is left on disk."""
+    out = tmp_path / "multi_read.json"
+    done = _run("multi_read_bench.py", "--smoke", "--dir", str(tmp_path), "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["same_rows"]
+    for way in ("alone", "together"):
+        assert r[way]["ms_per_batch"] > 0 and r[way]["io_calls_per_batch"] > 0
+    assert "together / alone" in done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["multi_read.json"]

@@ -106,10 +106,11 @@ def test_worker_error_surfaces_in_forward(tmp_path: Path, monkeypatch: Any) -> N
     group.background_io = True
     store = group.shards[0].store
 
-    def broken(ids: Any) -> Any:
+    def broken(ids: Any, out: Any) -> Any:
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(store, "read_rows", broken)
+    # The worker reads a block store's misses as passes of I/O (read_rows_together).
+    monkeypatch.setattr(store, "read_passes", broken)
     data = batches(seed=1, count=2)
     f = kernel_features(data[0])
     group.prefetch(f.values(), f.length_per_key())  # returns at once; the read fails later

@@ -44,6 +44,7 @@ from torchrec_mtrains.distributed import (
 from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tiered_groups
+from torchrec_mtrains.tiers._blockio import PassReader
 
 BATCH = 16
 DENSE = 4
@@ -370,3 +371,42 @@ def spawn_cases(cases: Sequence[Case], world_size: int, root: Path) -> list[list
     return [
         torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
     ]
+
+
+def on_worker_reads(
+    store: Any,
+    before: Callable[[Any], None],
+    after: Callable[[Any, Any], None] | None = None,
+) -> None:
+    """Calls ``before(ids)`` as the tier worker starts reading rows ``ids`` of ``store`` and
+    ``after(ids, rows)`` once they are read, at the seam the worker reads that store through:
+    a block store's passes (``read_passes``, which the worker issues with other tables'), else
+    ``read_rows``. :func:`restore_reads` undoes it."""
+    if isinstance(store, PassReader):
+        real_passes = store.read_passes
+
+        def read_passes(ids: Any, out: Any) -> Any:
+            before(ids)
+            result = yield from real_passes(ids, out)
+            if after is not None:
+                after(ids, out)
+            return result
+
+        store.read_passes = read_passes  # type: ignore[method-assign]
+        return
+    real_rows = store.read_rows
+
+    def read_rows(ids: Any) -> Any:
+        before(ids)
+        rows = real_rows(ids)
+        if after is not None:
+            after(ids, rows)
+        return rows
+
+    store.read_rows = read_rows
+
+
+def restore_reads(store: Any) -> None:
+    """Undoes :func:`on_worker_reads`: the store's own methods read again."""
+    for name in ("read_passes", "read_rows"):
+        store.__dict__.pop(name, None)

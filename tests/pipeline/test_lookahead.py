@@ -3,7 +3,6 @@ resident and never stale, per-step numbers, worker errors and Ctrl-C shut it dow
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,8 @@ from lookahead_harness import (
     groups_of,
     io_threads,
     make_optimizer,
+    on_worker_reads,
+    restore_reads,
     run_case,
     spawn_cases,
     train_pipelined,
@@ -159,45 +160,48 @@ class RecordingStore:
 
     def __init__(self, store: Any, write_delay: float) -> None:
         self.store = store
-        self.read, self.write = store.read_rows, store.write_rows
+        self.write = store.write_rows
         self.delay = write_delay
         self.written: dict[int, np.ndarray[Any, Any]] = {}
         self.writes = self.rereads = self.overlaps = 0
         self.stale: list[int] = []
         self._active = 0
         self._lock = threading.Lock()
-        store.read_rows, store.write_rows = self.read_rows, self.write_rows
+        store.write_rows = self.write_rows
+        on_worker_reads(store, self._read_starts, self._read_done)
 
-    @contextlib.contextmanager
-    def _io(self) -> Iterator[None]:
+    def _enter(self) -> None:
         """Counts I/O calls that run while another is running: one FIFO worker has none."""
         with self._lock:
             self._active += 1
             self.overlaps += self._active > 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
 
     def write_rows(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> Any:
         # Noted before the write lands, so a read overtaking it shows up as stale.
         for i, row in zip(ids.tolist(), rows):
             self.written[i] = row.copy()
-        with self._io():
+        self._enter()
+        try:
             self.writes += 1
             time.sleep(self.delay)
             return self.write(ids, rows)
+        finally:
+            self._leave()
 
-    def read_rows(self, ids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        with self._io():
-            rows = self.read(ids)
+    def _read_starts(self, ids: np.ndarray[Any, Any]) -> None:
+        self._enter()
+
+    def _read_done(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> None:
+        self._leave()
         for i, row in zip(ids.tolist(), rows):
             if i in self.written:
                 self.rereads += 1
                 if not np.array_equal(row, self.written[i]):
                     self.stale.append(i)
-        return rows
 
 
 def check_in_flight(pipeline: LookaheadTrainPipeline[Batch, Any], depth: int) -> int:
@@ -251,13 +255,7 @@ def slow_store(group: TieredTableGroup, delay: float, table: str = "big") -> Non
     for shard in group.shards:
         if shard.name != table:
             continue
-        read = shard.store.read_rows
-
-        def slow_read(ids: Any, read: Any = read) -> Any:
-            time.sleep(delay)
-            return read(ids)
-
-        shard.store.read_rows = slow_read
+        on_worker_reads(shard.store, lambda ids: time.sleep(delay))
 
 
 def slow_compute(model: DistributedModelParallel, delay: float) -> None:
@@ -371,23 +369,21 @@ def finish_plainly_and_compare(
     assert differences(full_state(ref, ref_opt), full_state(model, optimizer)) == {}
 
 
-def test_worker_error_surfaces_with_its_traceback_and_shuts_down(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_worker_error_surfaces_with_its_traceback_and_shuts_down(tmp_path: Path) -> None:
     case = Case(depth=2, steps=12, seed=5)
     data = batches(case, 0)
     model = build(case, tmp_path / "ahead")
     optimizer = make_optimizer(case, model)
     store = big_group(model).shards[0].store
     calls = 0
-    real_read = store.read_rows
 
-    def read(ids: Any) -> Any:
+    def read(ids: Any) -> None:
         nonlocal calls
         calls += 1
-        return failing_read(ids) if calls == 6 else real_read(ids)
+        if calls == 6:
+            failing_read(ids)
 
-    monkeypatch.setattr(store, "read_rows", read)
+    on_worker_reads(store, read)
     pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
         model, optimizer, torch.device("cpu"), lookahead=2
     )
@@ -396,7 +392,7 @@ def test_worker_error_surfaces_with_its_traceback_and_shuts_down(
     assert any(entry.name == "failing_read" for entry in info.traceback)
     assert 3 <= done < case.steps
     assert_clean_shutdown(model)
-    monkeypatch.setattr(store, "read_rows", real_read)
+    restore_reads(store)
     finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
 
 
@@ -452,7 +448,7 @@ def test_ctrl_c_stops_the_worker_and_leaves_the_tiers_flushed(tmp_path: Path, wh
         hook.remove()
     for group in groups_of(model):
         for shard in group.shards:
-            shard.store.read_rows = type(shard.store).read_rows.__get__(shard.store)
+            restore_reads(shard.store)
     finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
 
 

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from torchrec_mtrains.distributed import tier_io
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
 __all__ = ["TierClock", "isolated_block_reads", "tier_delta", "tier_snapshot"]
 
 
 class TierClock:
-    """Times the block tier's work: each store read and write call (on whichever tier worker
-    made it) and the time at least one read (write) was in flight, which is what a rate over
-    several concurrent workers must divide by; plus the kernel's own counters
-    (``TieredTableGroup.io_counters``): the training thread's stall and the workers' I/O time."""
+    """Times the tiers' work: each read (a worker's reads of a batch's misses, all its tables
+    together: ``read_rows_together`` as the tier worker calls it) and each store's write call,
+    and the time at least one read (write) was in flight, which is what a rate over several
+    concurrent workers must divide by; plus the kernel's own counters
+    (``TieredTableGroup.io_counters``): the training thread's stall and the workers' I/O time.
+    Timing wraps those calls in place (in this process, for good); nothing else changes."""
 
     def __init__(self, groups: list[TieredTableGroup]) -> None:
         self.groups = groups
@@ -30,14 +34,16 @@ class TierClock:
         self.rows = {"read": 0, "write": 0}
         self._active = {"read": 0, "write": 0}
         self._since = {"read": 0.0, "write": 0.0}
+        worker = vars(tier_io)  # the tier worker's module: its reads go through this name
+        worker["read_rows_together"] = self._timed(
+            worker["read_rows_together"], "read", lambda reqs: sum(len(i) for _, i in reqs)
+        )
         for group in groups:
             for shard in group.shards:
                 store = shard.store
-                # Wraps the stores' calls in place: timing, nothing else, changes.
-                store.read_rows = self._timed(store.read_rows, "read")  # type: ignore[method-assign]
-                store.write_rows = self._timed(store.write_rows, "write")  # type: ignore[method-assign]
+                store.write_rows = self._timed(store.write_rows, "write", len)  # type: ignore[method-assign]
 
-    def _timed(self, fn: Any, key: str) -> Any:
+    def _timed(self, fn: Any, key: str, rows_of: Callable[[Any], int]) -> Any:
         def wrapped(ids: Any, *args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 t0 = time.perf_counter()
@@ -53,7 +59,7 @@ class TierClock:
                     if self._active[key] == 0:
                         self.busy_s[key] += t1 - self._since[key]
                     self.calls_s[key] += t1 - t0
-                    self.rows[key] += len(ids)
+                    self.rows[key] += rows_of(ids)
 
         return wrapped
 

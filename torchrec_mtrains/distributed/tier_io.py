@@ -21,6 +21,7 @@ import torch
 from torchrec_mtrains.cache.table_cache import CachePlan
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
+from torchrec_mtrains.tiers import read_rows_together
 
 # Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
 # CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
@@ -126,6 +127,7 @@ class TierIOWorker:
     ) -> torch.cuda.Event | None:
         """Carries out a batch's plans: every table's write-backs first, then every table's
         reads, so a failed read never strands another table's evicted dirty rows unwritten.
+        The reads of all tables are issued together (:func:`read_rows_together`).
 
         On CUDA the copies run on this thread's current stream, after ``after`` (the slot
         release the plans rely on); returns the event that marks the rows in place."""
@@ -138,10 +140,11 @@ class TierIOWorker:
                     shard.store.write_rows(
                         plan.evict_ids[dirty].numpy(), self.gather(shard, plan.evict_slots[dirty])
                     )
-            for shard, plan in pairs:
-                if plan.load_slots.numel():
-                    rows = shard.store.read_rows(plan.load_ids.numpy())
-                    self.scatter(shard, plan.load_slots, torch.from_numpy(rows))
+            loads = [(shard, plan) for shard, plan in pairs if plan.load_slots.numel()]
+            # Every table's misses in shared passes of I/O (one submission round for all).
+            read = read_rows_together([(sh.store, plan.load_ids.numpy()) for sh, plan in loads])
+            for (shard, plan), rows in zip(loads, read):
+                self.scatter(shard, plan.load_slots, torch.from_numpy(rows))
         except BaseException:
             self.failed = True
             raise

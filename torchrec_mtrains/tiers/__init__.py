@@ -24,6 +24,7 @@ from torchrec_mtrains.tiers.base import (
     RowStoreError,
     TierStats,
 )
+from torchrec_mtrains.tiers.multi_read import read_rows_together
 from torchrec_mtrains.tiers.options import (
     BlockIOOptions,
     BlockScmOptions,
@@ -65,6 +66,7 @@ __all__ = [
     "layouts_of",
     "open_store",
     "placement_options",
+    "read_rows_together",
     "register_tier",
     "resolve_options",
     "tier_class",

@@ -9,6 +9,11 @@ reaches its rated IOPS with many of them in flight. Two engines keep ``depth`` I
 * :class:`ThreadEngine` -- a pool of ``depth`` threads each looping over a slice of the I/Os
   with ``os.preadv``/``os.pwritev`` (which release the GIL). Works on every file, buffered too,
   but on a two-core machine the GIL hand-offs cap it well below the device.
+
+An engine's list of I/Os may span several files (an ``fd`` per I/O): a store's read is a
+generator of passes (:data:`ReadSteps`), so a driver can issue the passes of several stores
+together (:func:`~torchrec_mtrains.tiers.multi_read.read_rows_together`), or one store's alone
+(:func:`drive_reads`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +38,7 @@ from torchrec_mtrains.tiers.options import IOEngineKind
 logger: logging.Logger = logging.getLogger(__name__)
 
 I64Array = npt.NDArray[np.int64]
+U8Array = npt.NDArray[np.uint8]
 
 # struct iocb and struct io_event from linux/aio_abi.h (64-bit little-endian layout).
 _IOCB = np.dtype(
@@ -103,12 +111,22 @@ class BufferPool:
                 self._idle.pop()  # drop the largest
 
 
-class IOEngine(ABC):
-    """Issues a list of independent I/Os between one file and one buffer.
+class BlockIOError(OSError):
+    """One I/O of a list failed; :attr:`index` is its position in the list (which says which
+    file, for a list spanning several)."""
 
-    Each I/O ``i`` moves ``lengths[i]`` bytes between the file at ``file_offsets[i]`` and the
-    buffer at ``buf_offsets[i]``. Returns the number of system calls issued; raises ``OSError``
-    (after every I/O has finished, so the buffer is free again).
+    def __init__(self, err: int, message: str, index: int) -> None:
+        super().__init__(err, message)
+        self.index = index
+
+
+class IOEngine(ABC):
+    """Issues a list of independent I/Os between files and one buffer.
+
+    Each I/O ``i`` moves ``lengths[i]`` bytes between the file ``fd`` (or ``fd[i]``, one
+    descriptor per I/O) at ``file_offsets[i]`` and the buffer at ``buf_offsets[i]``. Returns the
+    number of system calls issued; raises :class:`BlockIOError` naming the failed I/O (after
+    every I/O has finished, so the buffer is free again).
     """
 
     depth: int
@@ -116,7 +134,7 @@ class IOEngine(ABC):
     @abstractmethod
     def run(
         self,
-        fd: int,
+        fd: int | I64Array,
         write: bool,
         buf: AlignedBuffer,
         buf_offsets: I64Array,
@@ -129,25 +147,30 @@ class IOEngine(ABC):
 
 
 def _pio(
-    fd: int,
+    fds: list[int],
     write: bool,
     view: memoryview,
     buf_offsets: list[int],
     file_offsets: list[int],
     lengths: list[int],
+    indexes: range,
 ) -> int:
-    """Synchronous I/O of a slice of the list; completes short transfers."""
+    """Synchronous I/O of a slice of the list (``indexes``: the slice's positions in it);
+    completes short transfers."""
     calls = 0
     call = os.pwritev if write else os.preadv
-    for b, o, n in zip(buf_offsets, file_offsets, lengths):
-        done = call(fd, [view[b : b + n]], o)
-        calls += 1
-        while done < n:  # short transfer: only at end of file or on signals
-            moved = call(fd, [view[b + done : b + n]], o + done)
+    for fd, b, o, n, i in zip(fds, buf_offsets, file_offsets, lengths, indexes):
+        try:
+            done = call(fd, [view[b : b + n]], o)
             calls += 1
-            if moved == 0:
-                raise OSError(errno.EIO, f"unexpected end of file at offset {o + done}")
-            done += moved
+            while done < n:  # short transfer: only at end of file or on signals
+                moved = call(fd, [view[b + done : b + n]], o + done)
+                calls += 1
+                if moved == 0:
+                    raise OSError(errno.EIO, f"unexpected end of file at offset {o + done}")
+                done += moved
+        except OSError as e:
+            raise BlockIOError(e.errno or errno.EIO, e.strerror or str(e), i) from e
     return calls
 
 
@@ -167,7 +190,7 @@ class ThreadEngine(IOEngine):
 
     def run(
         self,
-        fd: int,
+        fd: int | I64Array,
         write: bool,
         buf: AlignedBuffer,
         buf_offsets: I64Array,
@@ -175,13 +198,17 @@ class ThreadEngine(IOEngine):
         lengths: I64Array,
     ) -> int:
         n = len(lengths)
+        fds = [fd] * n if isinstance(fd, int) else fd.tolist()
         bo, fo, ln = buf_offsets.tolist(), file_offsets.tolist(), lengths.tolist()
         if n <= 2 or self.depth == 1:
-            return _pio(fd, write, buf.view, bo, fo, ln)
+            return _pio(fds, write, buf.view, bo, fo, ln, range(n))
         k = min(self.depth, n)
         pool = self._executor()
         futures: list[Future[int]] = [
-            pool.submit(_pio, fd, write, buf.view, bo[i::k], fo[i::k], ln[i::k]) for i in range(k)
+            pool.submit(
+                _pio, fds[i::k], write, buf.view, bo[i::k], fo[i::k], ln[i::k], range(i, n, k)
+            )
+            for i in range(k)
         ]
         wait(futures)  # all of them, before raising: the buffer is in use until then
         return sum(f.result() for f in futures)
@@ -224,7 +251,7 @@ class AioEngine(IOEngine):
 
     def run(
         self,
-        fd: int,
+        fd: int | I64Array,
         write: bool,
         buf: AlignedBuffer,
         buf_offsets: I64Array,
@@ -259,16 +286,20 @@ class AioEngine(IOEngine):
         bad = np.flatnonzero(res != expected)
         if bad.size:
             i = int(bad[0])
-            offset = int(file_offsets[int(events["data"][i])])
+            index = int(events["data"][i])
+            offset = int(file_offsets[index])
             if res[i] < 0:
                 err = int(-res[i])
-                raise OSError(
-                    err, f"{'write' if write else 'read'} at offset {offset}: {os.strerror(err)}"
+                raise BlockIOError(
+                    err,
+                    f"{'write' if write else 'read'} at offset {offset}: {os.strerror(err)}",
+                    index,
                 )
-            raise OSError(
+            raise BlockIOError(
                 errno.EIO,
                 f"short {'write' if write else 'read'} at offset {offset}: "
                 f"{int(res[i])} of {int(expected[i])} bytes",
+                index,
             )
         return calls
 
@@ -332,6 +363,70 @@ def warn_once(key: str, message: str, *args: object) -> None:
         first = key not in _warned
         _warned.add(key)
     logger.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+
+@dataclass(frozen=True)
+class ReadPass:
+    """One pass of a store's reads: ``lengths[i]`` bytes at ``file_offsets[i]`` of ``fd`` into
+    a buffer of ``nbytes`` (whole blocks) at ``buf_offsets[i]``."""
+
+    fd: int
+    nbytes: int
+    buf_offsets: I64Array
+    file_offsets: I64Array
+    lengths: I64Array
+
+
+ReadSteps = Generator[ReadPass, tuple[U8Array, int], tuple[int, int]]
+"""A store's read of some rows as passes of block I/O: it yields each pass, is sent the pass's
+bytes (valid until it yields again) and the system calls they took, and returns the bytes and
+the calls it moved in all."""
+
+
+class PassReader(ABC):
+    """A store whose reads are passes of block I/O (:meth:`read_passes`) on its own engine and
+    buffer pool, so that a driver may issue them together with other such stores' passes."""
+
+    _engine: IOEngine
+    _buffers: BufferPool
+
+    @abstractmethod
+    def read_passes(self, ids: I64Array, out: npt.NDArray[np.float32]) -> ReadSteps:
+        """The read of rows ``ids`` (checked, in range) into ``out``, as passes of I/O."""
+
+
+def drive_reads(
+    steps: ReadSteps,
+    engine: IOEngine,
+    pool: BufferPool,
+    name_error: Callable[[OSError], Exception],
+) -> tuple[int, int]:
+    """Runs one store's read passes one after another on ``engine``, each in a buffer from
+    ``pool``; an I/O error is raised as ``name_error`` makes it (naming the store's file)."""
+    try:
+        reads = next(steps)
+        while True:
+            buf = pool.take(reads.nbytes)
+            try:
+                try:
+                    calls = engine.run(
+                        reads.fd,
+                        False,
+                        buf,
+                        reads.buf_offsets,
+                        reads.file_offsets,
+                        reads.lengths,
+                    )
+                except OSError as e:
+                    raise name_error(e) from e
+                reads = steps.send((buf.array[: reads.nbytes], calls))
+            finally:
+                pool.give(buf)
+    except StopIteration as done:
+        moved_calls: tuple[int, int] = done.value
+        return moved_calls
+    finally:
+        steps.close()
 
 
 def make_engine(kind: IOEngineKind, depth: int, direct: bool) -> IOEngine:

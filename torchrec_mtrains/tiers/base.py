@@ -268,9 +268,12 @@ class RowStore(ABC):
         ids_arr = self._check_ids(ids)
         out = np.empty((ids_arr.size, self.layout.row_width), dtype=np.float32)
         if ids_arr.size:
-            moved, calls = self._read_rows(ids_arr, out)
-            self._count(read_calls=1, rows_read=ids_arr.size, bytes_read=moved, io_calls=calls)
+            self._count_read(ids_arr.size, *self._read_rows(ids_arr, out))
         return out
+
+    def _count_read(self, rows: int, moved: int, calls: int) -> None:
+        """Counts one read call of ``rows`` rows that moved ``moved`` bytes in ``calls``."""
+        self._count(read_calls=1, rows_read=rows, bytes_read=moved, io_calls=calls)
 
     def write_rows(self, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
         """Stores ``rows[i]`` (weights then optimizer state) as row ``ids[i]``.

@@ -28,7 +28,12 @@ from torchrec_mtrains.tiers._blockio import (
     AlignedBuffer,
     BufferPool,
     I64Array,
+    PassReader,
+    ReadPass,
+    ReadSteps,
     ThreadEngine,
+    U8Array,
+    drive_reads,
     make_engine,
     merge_runs,
     open_block_file,
@@ -53,7 +58,7 @@ _RowsView = tuple[npt.NDArray[Any], I64Array | None]
 
 
 @register_tier
-class BlockSCMStore(RowStore):
+class BlockSCMStore(RowStore, PassReader):
     """Rows in a file accessed by aligned block I/O.
 
     Args:
@@ -195,10 +200,10 @@ class BlockSCMStore(RowStore):
             ).astype(np.int64)
         return _Geometry(blocks, buf_pos.astype(np.int64), coverage)
 
-    def _rows_in(self, buf: AlignedBuffer, nbytes: int, buf_pos: I64Array) -> _RowsView:
-        """The rows at ``buf_pos`` in the buffer: a plain view when they lie back to back (a
-        range of ids), else an element index to gather or scatter through."""
-        elements = buf.array[:nbytes].view(self.layout.dtype.numpy_dtype)
+    def _rows_in(self, data: U8Array, buf_pos: I64Array) -> _RowsView:
+        """The rows at ``buf_pos`` in a pass's bytes: a plain view when they lie back to back
+        (a range of ids), else an element index to gather or scatter through."""
+        elements = data.view(self.layout.dtype.numpy_dtype)
         itemsize, width = self.layout.dtype.itemsize, self.layout.row_width
         n = buf_pos.size
         first = int(buf_pos[0]) // itemsize
@@ -226,22 +231,31 @@ class BlockSCMStore(RowStore):
             raise self._os_error(e, "writing blocks" if write else "reading blocks") from e
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
+        return drive_reads(
+            self.read_passes(ids, out),
+            self._engine,
+            self._buffers,
+            lambda e: self._os_error(e, "reading blocks"),
+        )
+
+    def read_passes(self, ids: IdArray, out: RowArray) -> ReadSteps:
         order, passes = self._split(ids)
         if order is not None:
             ids = ids[order]
+        bs = self.block_size
         moved = calls = 0
         for part in passes:
             geo = self._geometry(ids[part], with_coverage=False)
-            nbytes = geo.blocks.size * self.block_size
-            buf = self._buffers.take(nbytes)
-            try:
-                calls += self._io(False, buf, np.arange(geo.blocks.size), geo.blocks)
-                elements, index = self._rows_in(buf, nbytes, geo.buf_pos)
-                out[part if order is None else order[part]] = (
-                    elements if index is None else elements[index]
-                )
-            finally:
-                self._buffers.give(buf)
+            nbytes = geo.blocks.size * bs
+            run_start, run_len = merge_runs(geo.blocks, self._max_io_blocks)
+            data, pass_calls = yield ReadPass(
+                self._fd, nbytes, run_start * bs, geo.blocks[run_start] * bs, run_len * bs
+            )
+            calls += pass_calls
+            elements, index = self._rows_in(data, geo.buf_pos)
+            out[part if order is None else order[part]] = (
+                elements if index is None else elements[index]
+            )
             moved += nbytes
         return moved, calls
 
@@ -261,7 +275,7 @@ class BlockSCMStore(RowStore):
                 if partial.size:  # blocks holding bytes of other rows: read them first
                     calls += self._io(False, buf, partial, geo.blocks[partial])
                     read_back += partial.size * bs
-                elements, index = self._rows_in(buf, nbytes, geo.buf_pos)
+                elements, index = self._rows_in(buf.array[:nbytes], geo.buf_pos)
                 if index is None:
                     elements[...] = rows[part]
                 else:

@@ -66,7 +66,11 @@ from torchrec_mtrains.tiers._blockio import (
     AlignedBuffer,
     BufferPool,
     I64Array,
+    PassReader,
+    ReadPass,
+    ReadSteps,
     ThreadEngine,
+    drive_reads,
     make_engine,
     merge_runs,
     open_block_file,
@@ -237,7 +241,7 @@ class _ReadGate:
 
 
 @register_tier
-class LogBlockSCMStore(RowStore):
+class LogBlockSCMStore(RowStore, PassReader):
     """Rows in a log of segments accessed by aligned block I/O (see the module docstring).
 
     Args:
@@ -739,23 +743,36 @@ class LogBlockSCMStore(RowStore):
     # -------------------------------------------------------------------------------- reads
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
+        return self._drive(self.read_passes(ids, out))
+
+    def read_passes(self, ids: IdArray, out: RowArray) -> ReadSteps:
         with self._gate.reading():
             slots = self._loc[ids]
             hit = slots >= 0
             if hit.all():
-                rows, moved, calls = self._gather(slots)
-                out[...] = rows
-                return moved, calls
+                return (yield from self._gather_passes(slots, out))
             out[~hit] = 0.0  # never written: a new table reads as zeros
             if not hit.any():
                 return 0, 0
-            rows, moved, calls = self._gather(slots[hit])
+            rows = np.empty((int(hit.sum()), self.layout.row_width), np.float32)
+            moved_calls = yield from self._gather_passes(slots[hit], rows)
             out[hit] = rows
-            return moved, calls
+            return moved_calls
+
+    def _drive(self, steps: ReadSteps) -> tuple[int, int]:
+        return drive_reads(
+            steps, self._engine, self._buffers, lambda e: self._os_error(e, "reading blocks")
+        )
 
     def _gather(self, slots: I64Array) -> tuple[npt.NDArray[Any], int, int]:
-        """Rows at ``slots`` in storage dtype, reading the blocks that cover them in merged
-        runs, in passes of at most ``max_pass_bytes``; returns the rows, bytes and calls."""
+        """Rows at ``slots`` in storage dtype; returns the rows, bytes and calls."""
+        out = np.empty((slots.size, self.layout.row_width), self.layout.dtype.numpy_dtype)
+        moved, calls = self._drive(self._gather_passes(slots, out))
+        return out, moved, calls
+
+    def _gather_passes(self, slots: I64Array, out: npt.NDArray[Any]) -> ReadSteps:
+        """Rows at ``slots`` into ``out``, reading the blocks that cover them in merged runs,
+        in passes of at most ``max_pass_bytes``."""
         bs, rb = self.block_size, self.geometry.row_bytes
         offsets = self.geometry.offsets(slots)
         order = None
@@ -763,26 +780,24 @@ class LogBlockSCMStore(RowStore):
             order = np.argsort(offsets, kind="stable")
             offsets = offsets[order]
         first, last = offsets // bs, (offsets + rb - 1) // bs
-        out = np.empty((slots.size, self.layout.row_width), self.layout.dtype.numpy_dtype)
         moved = calls = 0
         for part in self._passes(first, last):
             blocks, buf_pos = _cover(first[part], last[part], offsets[part] % bs, bs)
             nbytes = blocks.size * bs
-            buf = self._buffers.take(nbytes)
-            try:
-                run_start, run_len = merge_runs(blocks, self._max_io_blocks)
-                calls += self._run(False, buf, run_start * bs, blocks[run_start] * bs, run_len * bs)
-                elements = buf.array[:nbytes].view(self.layout.dtype.numpy_dtype)
-                dest = np.arange(part.start, part.stop) if order is None else order[part]
-                starts = buf_pos // self.layout.dtype.itemsize
-                width = np.arange(self.layout.row_width, dtype=np.int64)
-                for a in range(0, starts.size, _GATHER_ROWS):  # bounds the element index
-                    index = starts[a : a + _GATHER_ROWS, None] + width
-                    out[dest[a : a + _GATHER_ROWS]] = elements[index]
-            finally:
-                self._buffers.give(buf)
+            run_start, run_len = merge_runs(blocks, self._max_io_blocks)
+            data, pass_calls = yield ReadPass(
+                self._fd, nbytes, run_start * bs, blocks[run_start] * bs, run_len * bs
+            )
+            calls += pass_calls
+            elements = data.view(self.layout.dtype.numpy_dtype)
+            dest = np.arange(part.start, part.stop) if order is None else order[part]
+            starts = buf_pos // self.layout.dtype.itemsize
+            width = np.arange(self.layout.row_width, dtype=np.int64)
+            for a in range(0, starts.size, _GATHER_ROWS):  # bounds the element index
+                index = starts[a : a + _GATHER_ROWS, None] + width
+                out[dest[a : a + _GATHER_ROWS]] = elements[index]
             moved += nbytes
-        return out, moved, calls
+        return moved, calls
 
     def _passes(self, first: I64Array, last: I64Array) -> list[slice]:
         """Slices of offset-sorted rows whose covering blocks fit ``max_pass_bytes``."""
