@@ -44,7 +44,6 @@ __all__ = [
     "RunConfig",
     "SizeRulePlannerConfig",
     "check_keys",
-    "option",
     "register_configs",
     "to_app_config",
 ]
@@ -150,23 +149,6 @@ def _unknown_keys(node: DictConfig, prefix: str) -> list[tuple[str, list[str]]]:
         if isinstance(child, DictConfig) and not child._is_none():
             found += _unknown_keys(child, f"{prefix}{key}.")
     return found
-
-
-_ABSENT = object()
-
-
-def option(cfg: DictConfig, key: str) -> Any:
-    """The value of ``key`` (e.g. ``run.steps``) in a composed config. There is no default in
-    code: ``conf/`` sets every key the schema declares, so the YAML is the one place a default
-    lives.
-
-    Raises:
-        ConfigError: the config has no such key (a config not composed from ``conf/``).
-    """
-    value = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)
-    if value is _ABSENT:
-        raise ConfigError(f"the config has no {key}: compose it from conf/ (apps/dlrm/config.py)")
-    return value
 
 
 def to_app_config(cfg: DictConfig) -> AppConfig:
