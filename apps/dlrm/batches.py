@@ -12,31 +12,29 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.checkpoints import Position
-from apps.dlrm.config import option
-from apps.dlrm.data import Split, build_dataloader
+from apps.dlrm.config import PipelineConfig, RunConfig
+from apps.dlrm.data import DataConfig, Split, build_dataloader
 from apps.dlrm.data.background import read_ahead
 from apps.dlrm.errors import ConfigError
 
 
-def source(cfg: DictConfig, rank: int, world: int, split: Split, start: int = 0) -> Iterable[Batch]:
+def source(
+    data: DataConfig, rank: int, world: int, split: Split, start: int = 0
+) -> Iterable[Batch]:
     """This rank's batches of ``split`` from batch ``start`` on; data config problems (a
     missing file, a bad value) surface here, before any table is built."""
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    if not isinstance(data, dict):
-        raise ConfigError(f"data must be a mapping, got {data!r}")
     try:
-        return build_dataloader(data, rank, world, start_batch=start, split=split)  # type: ignore[arg-type]
+        return build_dataloader(data, rank, world, start_batch=start, split=split)
     except FileNotFoundError as e:
         raise ConfigError(
             f"data file not found: {e.filename or e}. Point the data config at existing files, "
             "e.g. data=criteo_tsv data.paths=[/path/day_0.tsv], or use data=synthetic."
         ) from None
     except ValueError as e:
-        raise ConfigError(f"data (kind {data.get('kind')!r}): {e}") from None
+        raise ConfigError(f"data (kind {data.kind!r}): {e}") from None
 
 
 def in_step(
@@ -60,8 +58,8 @@ def in_step(
     return while_all_have(batches, device), None
 
 
-def read_ahead_batches(cfg: DictConfig) -> int:
-    value = option(cfg, "pipeline.read_ahead")
+def read_ahead_batches(pipeline: PipelineConfig) -> int:
+    value = pipeline.read_ahead
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(
             f"pipeline.read_ahead={value!r}: give the number of batches a background thread "
@@ -80,8 +78,8 @@ def while_all_have(batches: Iterator[Batch], device: torch.device) -> Generator[
         yield batch
 
 
-def count_option(cfg: DictConfig, key: str, minimum: int) -> int | None:
-    value = option(cfg, key)
+def count_option(value: int | None, key: str, minimum: int) -> int | None:
+    """The count option ``key``'s ``value``, checked: a whole number >= ``minimum``, or None."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -99,9 +97,9 @@ class Schedule:
     epochs: int | None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> Schedule:
-        steps = count_option(cfg, "run.steps", minimum=0)
-        epochs = count_option(cfg, "run.epochs", minimum=1)
+    def from_config(cls, run: RunConfig) -> Schedule:
+        steps = count_option(run.steps, "run.steps", minimum=0)
+        epochs = count_option(run.epochs, "run.epochs", minimum=1)
         if steps is None and epochs is None:
             raise ConfigError(
                 "run.steps=null and run.epochs=null: the run would never end; set run.epochs "
@@ -134,7 +132,7 @@ class DataState:
 
 
 def training_batches(
-    cfg: DictConfig,
+    data: DataConfig,
     rank: int,
     world: int,
     device: torch.device,
@@ -151,7 +149,7 @@ def training_batches(
     while schedule.epochs is None or epoch < schedule.epochs:
         resumed = epoch == start.epoch
         index = start.batch if resumed else 0
-        epoch_source = first if resumed else source(cfg, rank, world, Split.TRAIN)
+        epoch_source = first if resumed else source(data, rank, world, Split.TRAIN)
         batches, count = in_step(epoch_source, world, device, read_ahead_batches)
         if count is not None:
             state.epoch_batches = index + count
@@ -167,11 +165,11 @@ def training_batches(
 
 
 def short_of_schedule(
-    cfg: DictConfig, schedule: Schedule, state: DataState, step: int
+    data: DataConfig, schedule: Schedule, state: DataState, step: int
 ) -> list[str]:
     """Why training ended before ``run.steps``, if it did."""
     if state.empty:
-        return [f"the training split is empty (data.kind={cfg.data.kind}): nothing was trained"]
+        return [f"the training split is empty (data.kind={data.kind}): nothing was trained"]
     if schedule.steps is None or step >= schedule.steps:
         return []
     passes = f"pass{'es' if schedule.epochs != 1 else ''}"

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -52,6 +51,7 @@ from torchrec_mtrains.distributed.incremental import (
     load_tier_checkpoint,
 )
 from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.planner import HostTopology
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -502,10 +502,11 @@ def _on_rank0(decide: Callable[[], _T], rank: int, world: int) -> _T:
 
 
 def resume_candidates(
-    cfg: DictConfig, run_dir: Path, rank: int, world: int
+    resume: bool, hardware: HostTopology, run_dir: Path, rank: int, world: int
 ) -> list[tuple[int, Path]]:
     """The finished checkpoints to resume from, newest first (checked ones that look
     complete; damaged ones are set aside, saying so), or none for a run that starts (over).
+    ``resume`` is ``run.resume``; ``hardware`` says where the tier files are.
 
     A run directory whose earlier run stopped before its first finished checkpoint starts
     over in place, with or without ``run.resume`` (saying so): its unfinished checkpoints and
@@ -516,17 +517,17 @@ def resume_candidates(
             a directory holding a finished checkpoint, or a run that finished without one.
         CheckpointError: ``run.resume=true`` where every finished checkpoint is damaged.
     """
-    leftovers = bool(tier_files(cfg, rank))
+    leftovers = bool(tier_files(hardware, run_dir, rank))
     if world > 1:
         flags: list[object] = [None] * world
         dist.all_gather_object(flags, leftovers)
         leftovers = any(bool(f) for f in flags)
-    return _on_rank0(lambda: _decide_start(cfg, run_dir, leftovers), rank, world)
+    return _on_rank0(lambda: _decide_start(resume, run_dir, leftovers), rank, world)
 
 
-def _decide_start(cfg: DictConfig, run_dir: Path, tier_leftovers: bool) -> list[tuple[int, Path]]:
+def _decide_start(resume: bool, run_dir: Path, tier_leftovers: bool) -> list[tuple[int, Path]]:
     finished = finished_checkpoints(run_dir)
-    if not cfg.run.resume and finished:
+    if not resume and finished:
         raise RunDirError(
             f"run.dir={run_dir} already holds a run with a finished checkpoint "
             f"({finished[0][1]}): pass run.resume=true to continue it, or choose a new run.dir."
@@ -559,7 +560,7 @@ def _decide_start(cfg: DictConfig, run_dir: Path, tier_leftovers: bool) -> list[
             "(run.final_checkpoint=false): its tier files hold the only copy of its trained "
             "rows, so it is not started over. Choose a new run.dir, or delete this one first."
         )
-    if cfg.run.resume and not started:
+    if resume and not started:
         raise RunDirError(
             f"run.resume=true but {run_dir}/checkpoints holds no finished checkpoint and "
             "run.dir holds no earlier run: point run.dir at an earlier run's directory, or drop "
@@ -583,7 +584,7 @@ def _decide_start(cfg: DictConfig, run_dir: Path, tier_leftovers: bool) -> list[
     return []
 
 
-def start_over(cfg: DictConfig, run_dir: Path, rank: int) -> int:
+def start_over(hardware: HostTopology, run_dir: Path, rank: int) -> int:
     """Removes this rank's tier files left by a run of ``run_dir`` that stopped before its
     first finished checkpoint; returns how many. Files this run directory did not make (a
     shared ``hardware.tier_root`` or ``hardware.dirs``) are never touched.
@@ -591,7 +592,7 @@ def start_over(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     Raises:
         RunDirError: when such foreign files are in the way, naming them.
     """
-    files = list(tier_files(cfg, rank))
+    files = list(tier_files(hardware, run_dir, rank))
     if not files:
         return 0
     recorded = set(recorded_files(run_dir).get(str(rank), []))

@@ -14,6 +14,9 @@ naming the key instead of being carried along unused. Schemas:
 
 Importing this module registers them (as :data:`CONF_DIR`'s users need them before composing).
 A ``--multirun`` job's ``run.dir`` is its sweep folder (the ``run_dir`` resolver).
+
+An entry point composes the config, refuses unknown keys (:func:`check_keys`) and converts it
+once (:func:`to_app_config`); the code below it takes the typed parts it reads.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from apps.dlrm.data import CONFIG_KINDS
 from apps.dlrm.errors import ConfigError
-from torchrec_mtrains.planner import HostTopology, PlannerConfig
+from torchrec_mtrains.planner import HostTopology, PlannerConfig, topology_from_config
 
 __all__ = [
     "CONF_DIR",
@@ -41,8 +44,8 @@ __all__ = [
     "RunConfig",
     "SizeRulePlannerConfig",
     "check_keys",
-    "option",
     "register_configs",
+    "to_app_config",
 ]
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -113,7 +116,10 @@ class SizeRulePlannerConfig:
 @dataclass
 class AppConfig:
     """The composed config's top level; ``data`` and ``planner`` vary by choice, so their
-    group files name their own schema."""
+    group files name their own schema. Built by :func:`to_app_config`, ``data`` is one of
+    :data:`~apps.dlrm.data.CONFIG_KINDS`' dataclasses and ``planner`` a
+    :class:`~torchrec_mtrains.planner.PlannerConfig` or :class:`SizeRulePlannerConfig` (the
+    schema says ``Any``: OmegaConf has no unions of dataclasses)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = MISSING
@@ -145,21 +151,44 @@ def _unknown_keys(node: DictConfig, prefix: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-_ABSENT = object()
-
-
-def option(cfg: DictConfig, key: str) -> Any:
-    """The value of ``key`` (e.g. ``run.steps``) in a composed config. There is no default in
-    code: ``conf/`` sets every key the schema declares, so the YAML is the one place a default
-    lives.
+def to_app_config(cfg: DictConfig) -> AppConfig:
+    """The composed config as its schema's dataclasses, each node converted once, with its
+    interpolations resolved. An entry point calls it after :func:`check_keys`; everything
+    below takes the typed parts it reads.
 
     Raises:
-        ConfigError: the config has no such key (a config not composed from ``conf/``).
+        ConfigError: a value the node's own check refuses (``hardware.ranks_per_host=0``,
+            ``planner.cache_policy=x``), named by its node; or a ``data`` / ``planner`` group
+            file that names no schema.
     """
-    value = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)
-    if value is _ABSENT:
-        raise ConfigError(f"the config has no {key}: compose it from conf/ (apps/dlrm/config.py)")
-    return value
+
+    def node(key: str) -> Any:
+        try:
+            if key == "hardware":  # the library's own conversion, as the torchx component's
+                return topology_from_config(cfg.hardware)
+            return OmegaConf.to_object(cfg[key])
+        except ValueError as e:  # the dataclasses' own checks (__post_init__)
+            raise ConfigError(f"{key}: {e}") from None
+
+    app = AppConfig(
+        run=node("run"),
+        model=node("model"),
+        data=node("data"),
+        hardware=node("hardware"),
+        planner=node("planner"),
+        pipeline=node("pipeline"),
+    )
+    if not isinstance(app.data, tuple(CONFIG_KINDS.values())):
+        raise ConfigError(
+            f"data: its group file names no schema (defaults: [<kind>_schema], kinds "
+            f"{', '.join(CONFIG_KINDS)}); got a {type(app.data).__name__}"
+        )
+    if not isinstance(app.planner, PlannerConfig | SizeRulePlannerConfig):
+        raise ConfigError(
+            "planner: its group file names no schema (defaults: [tiered_schema] or "
+            f"[size_rule_schema]); got a {type(app.planner).__name__}"
+        )
+    return app
 
 
 def check_keys(cfg: DictConfig) -> None:

@@ -1,5 +1,6 @@
 """The app's model: the DLRM, its sharding plan (size rule or the tiered planner), the tier
-storage the plan's tiered tables use, and the optimizers."""
+storage the plan's tiered tables use, and the optimizers, built from the typed config
+(:class:`~apps.dlrm.config.AppConfig`, or the parts of it each function reads)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
@@ -22,7 +24,15 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from apps.dlrm.config import option
+from apps.dlrm.config import (
+    AppConfig,
+    ModelConfig,
+    PipelineConfig,
+    RunConfig,
+    SizeRulePlannerConfig,
+    to_app_config,
+)
+from apps.dlrm.data import DataConfig, SyntheticDataConfig
 from apps.dlrm.errors import ConfigError
 from apps.dlrm.placement import format_placements, size_rule_plan
 from torchrec_mtrains.distributed import (
@@ -33,7 +43,7 @@ from torchrec_mtrains.distributed import (
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.initializers import RowSeededUniform
-from torchrec_mtrains.planner import PlannerConfig, parse_size, plan_tables, topology_from_config
+from torchrec_mtrains.planner import HostTopology, PlannerConfig, parse_size, plan_tables
 from torchrec_mtrains.planner.presets import detected_gpu, on_compute_device, store_options
 from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import BufferBudgetError
@@ -45,29 +55,27 @@ logger: logging.Logger = logging.getLogger(__name__)
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 
 
-def size_option(cfg: DictConfig, key: str) -> int:
-    """A size option in bytes, read as every size is (:func:`parse_size`: SI or IEC units)."""
-    value = OmegaConf.select(cfg, key)
+def size_option(value: str, key: str) -> int:
+    """The size option ``key``'s ``value`` in bytes, read as every size is (:func:`parse_size`:
+    SI or IEC units)."""
     try:
         return parse_size(value, key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def tier_root(cfg: DictConfig) -> Path:
+def tier_root(hardware: HostTopology, run_dir: Path) -> Path:
     """``hardware.tier_root``, or this run's own ``<run.dir>/tiers`` when the preset leaves it
     unset (so two runs never share tier files by accident)."""
-    root = OmegaConf.select(cfg, "hardware.tier_root")
-    return Path(str(root)) if root else Path(str(cfg.run.dir)) / "tiers"
+    return Path(hardware.tier_root) if hardware.tier_root else run_dir / "tiers"
 
 
-def tier_mounts(cfg: DictConfig) -> dict[str, str]:
+def tier_mounts(hardware: HostTopology) -> dict[str, str]:
     """The tiers ``hardware.dirs`` places elsewhere (a PMem or NVMe mount), tier -> directory."""
-    dirs = OmegaConf.select(cfg, "hardware.dirs") or {}
-    return {str(k): str(v) for k, v in dirs.items() if v}
+    return {str(k): str(v) for k, v in hardware.dirs.items() if v}
 
 
-def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
+def build_storage(hardware: HostTopology, run_dir: Path, resume: bool) -> TierStorage:
     """Where the tier files go (``hardware.tier_root`` unless ``hardware.dirs`` names a tier)
     and how the stores are opened: with the hardware topology's figures (``store_options``),
     e.g. ``hardware.block_scm.queue_depth``, the ones the tiered planner plans with.
@@ -76,13 +84,12 @@ def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
     creates a missing one, which loading the checkpoint then fills with every row (the
     checkpoint holds them all), so a deleted tier file does not make the run unresumable. Such
     a file is not initialized first: the load writes every row of it."""
-    hw = cfg.hardware
     try:
         return TierStorage(
-            root=str(tier_root(cfg)),
-            dirs=tier_mounts(cfg),
+            root=str(tier_root(hardware, run_dir)),
+            dirs=tier_mounts(hardware),
             # The planner's figures (block size, queue depth), so the stores run as it assumed.
-            tier_options=store_options(topology_from_config(hw)),
+            tier_options=store_options(hardware),
             open_mode=OpenMode.OPEN_OR_CREATE if resume else OpenMode.CREATE,
             initialize_created=not resume,
         )
@@ -90,9 +97,19 @@ def build_storage(cfg: DictConfig, resume: bool) -> TierStorage:
         raise ConfigError(f"hardware: {e}") from None
 
 
-def check_model_config(cfg: DictConfig) -> list[int]:
-    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
-    features = int(cfg.data.get("num_sparse_features", 26))
+def sparse_features(data: DataConfig) -> int:
+    """Sparse features (tables) per sample: the synthetic source's setting, Criteo's 26."""
+    return data.num_sparse_features if isinstance(data, SyntheticDataConfig) else CAT_FEATURE_COUNT
+
+
+def dense_features(data: DataConfig) -> int:
+    """Dense features per sample: the synthetic source's setting, Criteo's 13."""
+    return data.num_dense_features if isinstance(data, SyntheticDataConfig) else INT_FEATURE_COUNT
+
+
+def check_model_config(model: ModelConfig, data: DataConfig) -> list[int]:
+    sizes = [int(n) for n in model.num_embeddings_per_feature]
+    features = sparse_features(data)
     if len(sizes) != features:
         raise ConfigError(
             f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
@@ -100,24 +117,24 @@ def check_model_config(cfg: DictConfig) -> list[int]:
         )
     if any(n < 1 for n in sizes):
         raise ConfigError(f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row")
-    dim = int(cfg.model.embedding_dim)
-    dense = list(cfg.model.dense_arch_layer_sizes)
+    dim = model.embedding_dim
+    dense = list(model.dense_arch_layer_sizes)
     if not dense or int(dense[-1]) != dim:
         raise ConfigError(
             f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: the "
             "dense output is combined with the embeddings"
         )
-    over = list(cfg.model.over_arch_layer_sizes)
+    over = list(model.over_arch_layer_sizes)
     if not over or int(over[-1]) != 1:
         raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
     return sizes
 
 
-def bounds_check_option(cfg: DictConfig) -> BoundsCheck:
+def bounds_check_option(run: RunConfig) -> BoundsCheck:
     """``run.bounds_check``: what a batch with an id outside its table does, for every table
     (``error``: the run stops naming the table, the feature and the id; ``warn``: TorchRec's
     default, a warning and row 0 looked up instead)."""
-    value = option(cfg, "run.bounds_check")
+    value = run.bounds_check
     try:
         return BoundsCheck.parse(str(value))
     except ValueError:
@@ -128,8 +145,15 @@ def bounds_check_option(cfg: DictConfig) -> BoundsCheck:
         ) from None
 
 
+def cache_knob(planner: PlannerConfig | SizeRulePlannerConfig) -> str:
+    """The planner option that sizes the caches, and its value, for an error to name."""
+    if isinstance(planner, SizeRulePlannerConfig):
+        return f"planner.cache_load_factor (now {planner.cache_load_factor})"
+    return f"planner.min_cache_factor (now {planner.min_cache_factor})"
+
+
 def build_model(
-    cfg: DictConfig,
+    app: AppConfig | DictConfig,
     world_size: int,
     resume: bool,
     device: torch.device,
@@ -141,10 +165,16 @@ def build_model(
 
     ``before_build(plan, hot_rows)`` runs once the plan is made and before any tier file is
     created or opened (the hot rows are each tiered table's pinned ones): checks that can
-    refuse the plan belong there, so a refused run leaves no tier file behind."""
-    sizes = check_model_config(cfg)
-    dim = int(cfg.model.embedding_dim)
-    seed = int(cfg.run.seed)
+    refuse the plan belong there, so a refused run leaves no tier file behind.
+
+    ``app`` is the run's typed config; a composed one (a caller that composes its own, like
+    ``benchmarks/lookahead_bench.py``) is converted here (:func:`~apps.dlrm.config.to_app_config`).
+    """
+    if isinstance(app, DictConfig):
+        app = to_app_config(app)
+    sizes = check_model_config(app.model, app.data)
+    dim = app.model.embedding_dim
+    seed = app.run.seed
     # Each row's initial values depend on the seed and the row alone (RowSeededUniform), not
     # on the plan: runs of one model under other plans, budgets or world sizes start alike.
     tables = [
@@ -160,40 +190,41 @@ def build_model(
         for i, n in enumerate(sizes)
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dense_in = int(cfg.data.get("num_dense_features", 13))
     model = DLRMTrain(
         DLRM(
             embedding_bag_collection=ebc,
-            dense_in_features=dense_in,
-            dense_arch_layer_sizes=list(cfg.model.dense_arch_layer_sizes),
-            over_arch_layer_sizes=list(cfg.model.over_arch_layer_sizes),
+            dense_in_features=dense_features(app.data),
+            dense_arch_layer_sizes=list(app.model.dense_arch_layer_sizes),
+            over_arch_layer_sizes=list(app.model.over_arch_layer_sizes),
             dense_device=device,
         )
     )
-    lr = float(cfg.run.learning_rate)
-    tiered_planner = str(cfg.planner.get("name", "")) == "tiered"
-    bounds_check = bounds_check_option(cfg)
+    lr = app.run.learning_rate
+    planner = app.planner
+    tiered_planner = isinstance(planner, PlannerConfig)
+    bounds_check = bounds_check_option(app.run)
     sharder = TieredEmbeddingBagCollectionSharder(
-        build_storage(cfg, resume),
+        build_storage(app.hardware, Path(app.run.dir), resume),
         offer_tiered_kernel=tiered_planner,
         fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
         bounds_check=bounds_check,
     )
     try:
         if tiered_planner:
-            plan, plan_text = tiered_plan(cfg, ebc, sharder, world_size, device)
+            plan, plan_text = tiered_plan(app, ebc, sharder, world_size, device)
         else:
-            planner = cfg.planner
             # Budgets are per host, as the tiered planner's are.
             hosts = -(-world_size // max(1, min(world_size, local_world_size())))
             plan, placements = size_rule_plan(
                 ebc,
                 sharder,
                 world_size,
-                dram_budget=size_option(cfg, "planner.dram_budget") * hosts,
-                block_scm_min_bytes=size_option(cfg, "planner.block_scm_min_bytes"),
-                cache_load_factor=float(planner.cache_load_factor),
-                cache_policy=str(planner.cache_policy),
+                dram_budget=size_option(planner.dram_budget, "planner.dram_budget") * hosts,
+                block_scm_min_bytes=size_option(
+                    planner.block_scm_min_bytes, "planner.block_scm_min_bytes"
+                ),
+                cache_load_factor=planner.cache_load_factor,
+                cache_policy=planner.cache_policy,
                 device_type=device.type,
             )
             plan_text = format_placements(placements)
@@ -204,16 +235,18 @@ def build_model(
         raise ConfigError(
             f"planner: the tables fit no placement on {world_size} rank(s): "
             f"{'; '.join(over) or str(e).splitlines()[0]} (tier, rank, demand, capacity). "
-            f"Raise planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) "
+            f"Raise planner.dram_budget (now {planner.dram_budget or 'the hardware'}) "
             "or planner.byte_scm_budget, pick a hardware preset with more memory, add ranks, "
             "or shrink model.num_embeddings_per_feature."
         ) from None
     except BufferBudgetError as e:
+        block_scm = app.hardware.block_scm
+        max_pass_bytes = block_scm.max_pass_bytes if block_scm is not None else None
         raise ConfigError(
             f"planner: the block tier's I/O buffers ({format_size(e.held)} a rank: "
-            f"hardware.block_scm.max_pass_bytes={cfg.hardware.block_scm.max_pass_bytes}, two "
+            f"hardware.block_scm.max_pass_bytes={max_pass_bytes}, two "
             f"passes) leave no DRAM for tables ({format_size(e.dram)} a rank). Raise "
-            f"planner.dram_budget (now {cfg.planner.get('dram_budget') or 'the hardware'}) or "
+            f"planner.dram_budget (now {planner.dram_budget or 'the hardware'}) or "
             "lower hardware.block_scm.max_pass_bytes."
         ) from None
     except ValueError as e:  # the options' own checks
@@ -234,7 +267,9 @@ def build_model(
     return dmp, optimizer, plan_text
 
 
-def check_batch_ids(cfg: DictConfig, features: KeyedJaggedTensor, what: str) -> None:
+def check_batch_ids(
+    run: RunConfig, model: ModelConfig, data: DataConfig, features: KeyedJaggedTensor, what: str
+) -> None:
     """Refuses a batch (the first one, checked before any tier file exists) holding an id
     outside its table, naming the feature, the table and the options that disagree; with
     ``run.bounds_check=warn`` such ids are looked up as row 0 instead, so nothing is refused.
@@ -242,9 +277,9 @@ def check_batch_ids(cfg: DictConfig, features: KeyedJaggedTensor, what: str) -> 
     Raises:
         ConfigError: for the first such feature.
     """
-    if bounds_check_option(cfg) is BoundsCheck.WARN:
+    if bounds_check_option(run) is BoundsCheck.WARN:
         return
-    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
+    sizes = [int(n) for n in model.num_embeddings_per_feature]
     values, offsets = features.values(), features.offset_per_key()
     for i, key in enumerate(features.keys()):
         index = int(key.rsplit("_", 1)[-1]) if key.rsplit("_", 1)[-1].isdigit() else i
@@ -254,23 +289,22 @@ def check_batch_ids(cfg: DictConfig, features: KeyedJaggedTensor, what: str) -> 
         lo, hi = int(ids.min()), int(ids.max())
         if lo >= 0 and hi < sizes[index]:
             continue
-        data_sizes = OmegaConf.select(cfg, "data.num_embeddings_per_feature")
+        data_sizes = list(data.num_embeddings_per_feature)
         data_note = (
-            f" while data.num_embeddings_per_feature={list(data_sizes)}"
-            if data_sizes is not None and list(data_sizes) != sizes
-            else ""
+            f" while data.num_embeddings_per_feature={data_sizes}" if data_sizes != sizes else ""
         )
         raise ConfigError(
             f"{what} holds row id {lo if lo < 0 else hi} for feature {key!r}, outside table "
             f"t_cat_{index}'s {sizes[index]} rows (model.num_embeddings_per_feature[{index}]="
             f"{sizes[index]}{data_note}): make the data's ids fit the model's tables (data "
-            f"kind {cfg.data.kind}), give the tables as many rows as the data has, or pass "
+            f"kind {data.kind}), give the tables as many rows as the data has, or pass "
             "run.bounds_check=warn to look such ids up as row 0, as TorchRec does."
         )
 
 
 def check_cache_sizes(
-    cfg: DictConfig,
+    planner: PlannerConfig | SizeRulePlannerConfig,
+    data: DataConfig,
     plan: EmbeddingModuleShardingPlan,
     features: KeyedJaggedTensor,
     hot_rows: Mapping[str, Sequence[int]],
@@ -297,20 +331,16 @@ def check_cache_sizes(
             room = ps.tier_options.cache_rows(rows)
             if int(mine.numel()) + pinned <= room:
                 continue
-            if "cache_load_factor" in cfg.planner:
-                knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
-            else:
-                knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
             raise ConfigError(
                 f"table {name!r}: its cache of {room} rows cannot hold the first batch's "
                 f"{int(mine.numel())} distinct rows{f' besides {pinned} pinned' if pinned else ''}"
-                f" (found before creating any tier file). Raise {knob} or lower "
-                f"data.batch_size (now {cfg.data.batch_size})."
+                f" (found before creating any tier file). Raise {cache_knob(planner)} or lower "
+                f"data.batch_size (now {data.batch_size})."
             )
 
 
 def tiered_plan(
-    cfg: DictConfig,
+    app: AppConfig,
     ebc: EmbeddingBagCollection,
     sharder: TieredEmbeddingBagCollectionSharder,
     world_size: int,
@@ -318,27 +348,25 @@ def tiered_plan(
 ) -> tuple[Any, str]:
     """The profile-driven planner's plan, and the profile's hot rows pinned in the caches of
     the tables it put on a tier (up to an eighth of each cache)."""
-    planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
-    assert isinstance(planner_node, dict)
+    config: PlannerConfig = app.planner
     # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
     # I/O with compute: the planner must size caches and estimate step time for that.
-    config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
-    config = config.for_lookahead(lookahead_depth(cfg))
+    config = config.for_lookahead(lookahead_depth(app.pipeline))
     profile = AccessProfile.from_json(config.profile) if config.profile else None
     local = min(world_size, local_world_size())
-    topology = topology_from_config(cfg.hardware)
+    topology = app.hardware
     gpu = detected_gpu(local) if device.type == "cuda" and topology.gpu is None else None
     topology = on_compute_device(topology, device.type, gpu)
     table_plan = plan_tables(
         ebc,
         topology,
         world_size,
-        int(cfg.data.batch_size),
+        app.data.batch_size,
         profile,
         sharder,
         local_world_size=local,
         config=config,
-        poolings=_poolings(cfg, [c.name for c in ebc.embedding_bag_configs()]),
+        poolings=_poolings(app.model, app.data, [c.name for c in ebc.embedding_bag_configs()]),
     )
     if profile is not None and config.pin_hot_rows:
         rows = {c.name: c.num_embeddings for c in ebc.embedding_bag_configs()}
@@ -353,25 +381,24 @@ def tiered_plan(
     return table_plan.plan, str(table_plan.summary)
 
 
-def pooling_factors(cfg: DictConfig) -> list[float]:
+def pooling_factors(model: ModelConfig, data: DataConfig) -> list[float]:
     """Ids per sample the planner assumes where no profile says: ``model.pooling_factors``,
     else the data's ``data.pooling_factors`` (one value for all tables, or one per table)."""
-    found = OmegaConf.select(cfg, "model.pooling_factors") or OmegaConf.select(
-        cfg, "data.pooling_factors"
-    )
+    data_factors = data.pooling_factors if isinstance(data, SyntheticDataConfig) else None
+    found = model.pooling_factors or data_factors
     return [float(v) for v in found or []]
 
 
-def _poolings(cfg: DictConfig, names: list[str]) -> dict[str, float]:
+def _poolings(model: ModelConfig, data: DataConfig, names: list[str]) -> dict[str, float]:
     """:func:`pooling_factors` by table name; none if unset or of the wrong length."""
-    values = pooling_factors(cfg)
+    values = pooling_factors(model, data)
     if len(values) == 1:
         values *= len(names)
     return dict(zip(names, values)) if len(values) == len(names) else {}
 
 
-def lookahead_depth(cfg: DictConfig) -> int:
-    value = option(cfg, "pipeline.lookahead")
+def lookahead_depth(pipeline: PipelineConfig) -> int:
+    value = pipeline.lookahead
     try:
         lookahead = int(value)
     except (TypeError, ValueError):

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from torchrec.distributed.types import ParameterSharding
 
 from apps.dlrm.model import build_storage
 from apps.dlrm.run_files import PLAN_FILE, tier_dir, write_private
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.options import tier_file_name
+from torchrec_mtrains.planner import HostTopology
 from torchrec_mtrains.types import RowLayout
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -42,14 +42,18 @@ def _shards(ps: ParameterSharding) -> list[list[Any]]:
 
 
 def plan_record(
-    cfg: DictConfig, plan: Mapping[str, ParameterSharding], world: int, device_type: str
+    hardware: HostTopology,
+    run_dir: Path,
+    plan: Mapping[str, ParameterSharding],
+    world: int,
+    device_type: str,
 ) -> dict[str, Any]:
     """What of a sharding plan the checkpoints and tier files depend on: per table its place
     (a tier, or device memory), sharding and shards, each rank's tier file paths, and the
     device type it was planned for."""
     tables: dict[str, Any] = {}
     files: dict[str, list[str]] = {str(r): [] for r in range(world)}
-    storage = build_storage(cfg, resume=True)
+    storage = build_storage(hardware, run_dir, resume=True)
     for name, ps in sorted(plan.items()):
         shards = _shards(ps)
         tables[name] = {
@@ -66,25 +70,29 @@ def plan_record(
                     continue
                 file = tier_file_name(name, offsets[0], offsets[1], store)
                 files.setdefault(str(shard_rank), []).append(
-                    str(tier_dir(cfg, tier.value, shard_rank) / file)
+                    str(tier_dir(hardware, run_dir, tier.value, shard_rank) / file)
                 )
     return {"world_size": world, "device": device_type, "tables": tables, "files": files}
 
 
 def tier_space_problem(
-    cfg: DictConfig, plan: Mapping[str, ParameterSharding], rank: int, state_width: int = 1
+    hardware: HostTopology,
+    run_dir: Path,
+    plan: Mapping[str, ParameterSharding],
+    rank: int,
+    state_width: int = 1,
 ) -> str | None:
     """Why this rank's tier files of ``plan`` would not fit their file systems (they are
     preallocated in full when created; files already there are not counted), or None.
     ``state_width`` is the optimizer state's floats per row (row-wise Adagrad: 1)."""
     need: dict[int, tuple[Path, int]] = {}
-    storage = build_storage(cfg, resume=True)
+    storage = build_storage(hardware, run_dir, resume=True)
     for name, ps in plan.items():
         if not isinstance(ps, TieredParameterSharding):
             continue
         tier = ps.tier_options.tier
         store = storage.store_for(tier)
-        directory = tier_dir(cfg, tier.value, rank)
+        directory = tier_dir(hardware, run_dir, tier.value, rank)
         for offsets, sizes, shard_rank in _shards(ps):
             file = directory / tier_file_name(name, offsets[0], offsets[1], store.name)
             if shard_rank != rank or file.exists():

@@ -22,9 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from apps.dlrm.config import CONF_DIR
+from apps.dlrm.config import CONF_DIR, to_app_config
 from torchrec_mtrains.profiler import (
     HitRateMethod,
     ProfilerConfig,
@@ -72,15 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with initialize_config_dir(config_dir=str(Path(args.conf_dir).resolve()), version_base=None):
         cfg = compose(config_name="config", overrides=list(args.overrides))
-    sizes = [int(n) for n in cfg.model.num_embeddings_per_feature]
-    dims = OmegaConf.select(cfg, "model.embedding_dims") or [int(cfg.model.embedding_dim)] * len(
-        sizes
-    )
+    app = to_app_config(cfg)
+    sizes = app.model.num_embeddings_per_feature
+    dims = app.model.embedding_dims or [app.model.embedding_dim] * len(sizes)
     tables = {
         f"t_cat_{i}": TableInfo(num_rows=n, dim=int(d)) for i, (n, d) in enumerate(zip(sizes, dims))
     }
     feature_to_table = {f"cat_{i}": f"t_cat_{i}" for i in range(len(sizes))}
-    batches = build_dataloader(cfg.data, rank=0, world_size=1)
+    batches = build_dataloader(app.data, rank=0, world_size=1)
     if args.max_batches is not None:
         batches = itertools.islice(batches, args.max_batches)
     start = time.perf_counter()

@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from apps.dlrm.model import tier_mounts, tier_root
+from torchrec_mtrains.planner import HostTopology
 from torchrec_mtrains.types import Tier
 
 TIER_FILE_GLOB = "*.rows"
@@ -18,10 +17,10 @@ PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
 
 
-def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
+def tier_files(hardware: HostTopology, run_dir: Path, rank: int) -> dict[str, tuple[int, int]]:
     """This rank's tier files, path -> (device, inode), to tell reopened files from new ones."""
-    roots = [tier_root(cfg) / t.value for t in Tier]
-    roots += [Path(d) for d in tier_mounts(cfg).values()]
+    roots = [tier_root(hardware, run_dir) / t.value for t in Tier]
+    roots += [Path(d) for d in tier_mounts(hardware).values()]
     out: dict[str, tuple[int, int]] = {}
     for root in roots:
         for path in (root / f"rank{rank}").glob(TIER_FILE_GLOB):
@@ -30,10 +29,10 @@ def tier_files(cfg: DictConfig, rank: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def tier_dir(cfg: DictConfig, tier: str, rank: int) -> Path:
+def tier_dir(hardware: HostTopology, run_dir: Path, tier: str, rank: int) -> Path:
     """Where ``tier``'s files of ``rank`` go (as ``TierStorage.directory``, creating nothing)."""
-    mounts = tier_mounts(cfg)
-    base = Path(mounts[tier]) if tier in mounts else tier_root(cfg) / tier
+    mounts = tier_mounts(hardware)
+    base = Path(mounts[tier]) if tier in mounts else tier_root(hardware, run_dir) / tier
     return base / f"rank{rank}"
 
 

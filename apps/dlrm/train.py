@@ -3,9 +3,10 @@
 Run ``python -m apps.dlrm.train`` (Hydra; override anything, e.g. ``run.steps=50``). Under
 torchrun / ``torchx run -s local_cwd`` each process joins the job's group (NCCL on CUDA, gloo on
 CPU) from the environment; alone, it forms a one-process group. ``main(cfg)`` is the testable
-entry point; a rank's run is a :class:`~apps.dlrm.trainer.Trainer`. Its parts: ``model`` (plan,
-sharded DLRM, optimizers), ``checkpoints``, ``report`` (evaluation, history, TensorBoard,
-summary) and ``errors``.
+entry point: it checks the composed config and converts it once to the typed
+:class:`~apps.dlrm.config.AppConfig` that a rank's run, a :class:`~apps.dlrm.trainer.Trainer`,
+reads. Its parts: ``model`` (plan, sharded DLRM, optimizers), ``checkpoints``, ``report``
+(evaluation, history, TensorBoard, summary) and ``errors``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from typing import Any, NoReturn
 import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from apps.dlrm.cluster import check_shared_run_dir
-from apps.dlrm.config import CONF_DIR, check_keys, option
+from apps.dlrm.config import CONF_DIR, AppConfig, RunConfig, check_keys, to_app_config
 from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
 from apps.dlrm.trainer import Trainer
 from torchrec_mtrains.distributed.runtime import (
@@ -41,40 +42,49 @@ from torchrec_mtrains.distributed.runtime import (
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
 
 
-def compute_device(cfg: DictConfig) -> torch.device:
+def compute_device(run: RunConfig) -> torch.device:
     """``run.device`` (auto / cpu / cuda) as this rank's device: ``cuda:<LOCAL_RANK>`` on GPUs."""
     try:
-        return resolve_device(str(option(cfg, "run.device")))
+        return resolve_device(run.device)
     except ValueError as e:
         raise ConfigError(f"run.{e}") from None
 
 
-def collective_timeout(cfg: DictConfig) -> timedelta:
+def collective_timeout(run: RunConfig) -> timedelta:
     """``run.collective_timeout``: how long a collective waits for the other ranks before the
     run stops, naming the ranks that did not answer."""
-    value = option(cfg, "run.collective_timeout")
     try:
-        return parse_duration(value, "run.collective_timeout")
+        return parse_duration(run.collective_timeout, "run.collective_timeout")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _agree_run_dir(cfg: DictConfig, world: int) -> DictConfig:
+def _agree_run_dir(cfg: DictConfig, app: AppConfig, world: int) -> tuple[DictConfig, AppConfig]:
     """Every rank composes its own config, so a timestamped ``run.dir`` can differ between them:
-    all ranks adopt rank 0's (and so its tier root, which interpolates it)."""
+    all ranks adopt rank 0's. A rank whose own differs converts its composed config again with
+    rank 0's ``run.dir``, so that values interpolating it (a ``hardware.tier_root`` of
+    ``${run.dir}/tiers``) follow it too; this is why the composed config is still needed here."""
     if world == 1:
-        return cfg
-    chosen: list[object] = [str(cfg.run.dir)]
+        return cfg, app
+    chosen: list[object] = [app.run.dir]
     dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] == str(cfg.run.dir):
-        return cfg
+    if chosen[0] == app.run.dir:
+        return cfg, app
     cfg = copy.deepcopy(cfg)
     cfg.run.dir = chosen[0]
-    return cfg
+    return cfg, to_app_config(cfg)
 
 
-def _prepare_run_dir(cfg: DictConfig) -> Path:
-    run_dir = Path(str(cfg.run.dir))
+def _saved_config(cfg: DictConfig) -> str:
+    """The run directory's ``config.yaml``: the composed config, resolved. It is written from
+    the composed config rather than the typed one, whose YAML would also hold what the schemas'
+    checks derive (a block tier's ``access_bytes`` set to its block size), so the file reads as
+    the presets and the command line set the options."""
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _prepare_run_dir(run: RunConfig) -> Path:
+    run_dir = Path(run.dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -100,21 +110,23 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             or died; it names that rank (and its error).
     """
     check_keys(cfg)
-    threads = int(option(cfg, "run.num_threads"))
+    app = to_app_config(cfg)
+    threads = app.run.num_threads
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    timeout = collective_timeout(cfg)
-    group = init_process_group(compute_device(cfg), timeout)
+    timeout = collective_timeout(app.run)
+    group = init_process_group(compute_device(app.run), timeout)
     # A rank that fails, stalls or dies ends every rank, each naming it (see failing_together).
     timeout_option = f"run.collective_timeout={format_duration(timeout)}"
     try:
         with failing_together(timeout, option=timeout_option):
-            cfg = _agree_run_dir(cfg, group.world_size)
-            run_dir = _prepare_run_dir(cfg)
+            cfg, app = _agree_run_dir(cfg, app, group.world_size)
+            run_dir = _prepare_run_dir(app.run)
             # Before any tier file is made: a run.dir a node does not share stops every rank.
             check_shared_run_dir(run_dir, group.rank, group.world_size)
-            return Trainer(cfg, run_dir, group.rank, group.world_size, group.device).run()
+            saved = _saved_config(cfg)
+            return Trainer(app, run_dir, group.rank, group.world_size, group.device, saved).run()
     finally:
         if group.created:  # (failing_together has aborted it after an error)
             end_process_group()

@@ -23,7 +23,6 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import EmbeddingModuleShardingPlan
@@ -53,10 +52,22 @@ from apps.dlrm.checkpoints import (
     start_over,
 )
 from apps.dlrm.cluster import network_storage_warnings
-from apps.dlrm.config import option
-from apps.dlrm.data import MalformedRowError, Split
+from apps.dlrm.config import AppConfig
+from apps.dlrm.data import (
+    CriteoNpyDataConfig,
+    CriteoTsvDataConfig,
+    DataConfig,
+    MalformedRowError,
+    Split,
+)
 from apps.dlrm.errors import ConfigError, RunDirError
-from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes, lookahead_depth
+from apps.dlrm.model import (
+    build_model,
+    cache_knob,
+    check_batch_ids,
+    check_cache_sizes,
+    lookahead_depth,
+)
 from apps.dlrm.plan_record import (
     drop_old_tier_files,
     plan_changes,
@@ -93,7 +104,7 @@ _T = TypeVar("_T")
 FIRST_LOSSES = 20  # per-step losses metrics.json keeps, to compare runs by
 
 
-def _eval_warnings(cfg: DictConfig, result: EvalResult, world: int) -> list[str]:
+def _eval_warnings(data: DataConfig, result: EvalResult, world: int) -> list[str]:
     """Why the evaluation's metrics are null, if they are, naming the options to change."""
     if result.samples and result.auc is not None and result.ne is not None:
         return []
@@ -103,12 +114,11 @@ def _eval_warnings(cfg: DictConfig, result: EvalResult, world: int) -> list[str]
             "eval AUC and NE are undefined (null); evaluate on more rows (run.eval_batches, "
             "the held-out data options)"
         ]
-    data = cfg.data
-    if data.kind == "criteo_tsv":
+    if isinstance(data, CriteoTsvDataConfig):
         options = (
             f"data.eval_paths={list(data.eval_paths)}, data.eval_fraction={data.eval_fraction}"
         )
-    elif data.kind == "criteo_npy":
+    elif isinstance(data, CriteoNpyDataConfig):
         options = (
             f"data.eval_stems={list(data.eval_stems)}, data.eval_fraction={data.eval_fraction}"
         )
@@ -134,23 +144,22 @@ def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | N
     return None
 
 
-def _explained(cfg: DictConfig, error: BaseException) -> str | None:
+def _explained(app: AppConfig, error: BaseException) -> str | None:
     """``error`` as a sentence naming the file, table or option at fault and what to change,
     for the errors the data, the tiers and the caches raise; None for any other."""
     if (e := _cause(error, CacheTooSmallError)) is not None:
         # With look-ahead the cache holds ``lookahead + 1`` batches at once.
-        lookahead = lookahead_depth(cfg)
+        lookahead = lookahead_depth(app.pipeline)
         also = (
             f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
             "batches besides the running one)"
             if lookahead
             else ""
         )
-        if "cache_load_factor" in cfg.planner:
-            knob = f"planner.cache_load_factor (now {cfg.planner.cache_load_factor})"
-        else:
-            knob = f"planner.min_cache_factor (now {cfg.planner.get('min_cache_factor')})"
-        return f"{e}. Raise {knob} or lower data.batch_size (now {cfg.data.batch_size}){also}."
+        return (
+            f"{e}. Raise {cache_knob(app.planner)} or lower data.batch_size "
+            f"(now {app.data.batch_size}){also}."
+        )
     if (e := _cause(error, MalformedRowError)) is not None:
         return (
             f"malformed data row {e} (data.on_error=fail): fix or delete that line, or pass "
@@ -159,7 +168,7 @@ def _explained(cfg: DictConfig, error: BaseException) -> str | None:
     if (e := _cause(error, TableIdError)) is not None:
         return (
             f"{e}: the data's ids must fit model.num_embeddings_per_feature "
-            f"(data.kind={cfg.data.kind}); make them fit, give the tables more rows, or pass "
+            f"(data.kind={app.data.kind}); make them fit, give the tables more rows, or pass "
             "run.bounds_check=warn to train such ids on row 0 as TorchRec does"
         )
     if (e := _cause(error, RowStoreError)) is not None:
@@ -173,7 +182,7 @@ def _explained(cfg: DictConfig, error: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def _errors_explained(cfg: DictConfig, run_dir: Path | None = None) -> Iterator[None]:
+def _errors_explained(app: AppConfig, run_dir: Path | None = None) -> Iterator[None]:
     """The data's, the tiers' and the caches' errors as one-paragraph config errors
     (:func:`_explained`); with ``run_dir`` (once training has begun) they also say how a
     rerun carries on: from the last finished checkpoint, or over in place."""
@@ -182,7 +191,7 @@ def _errors_explained(cfg: DictConfig, run_dir: Path | None = None) -> Iterator[
     except ConfigError:
         raise
     except Exception as e:
-        message = _explained(cfg, e)
+        message = _explained(app, e)
         if message is None:
             raise
         if run_dir is not None:
@@ -211,20 +220,21 @@ def _on_all_ranks(check: Callable[[], _T], world: int) -> _T:
 
 
 def _first_batches(
-    cfg: DictConfig, first: Iterable[Batch], held_out: Iterable[Batch], evaluates: bool
+    app: AppConfig, first: Iterable[Batch], held_out: Iterable[Batch], evaluates: bool
 ) -> KeyedJaggedTensor | None:
     """Reads the first training batch (and the first held-out one when the run evaluates)
     and checks their ids against the tables, before any tier file exists: unreadable data or
     ids outside a table stop the run here, not after it built its tiers. Returns the training
     batch's ids (the caches are sized against them), None if the split is empty."""
-    with _errors_explained(cfg):
+    run, model, data = app.run, app.model, app.data
+    with _errors_explained(app):
         batch = _peek(first)
         if batch is not None:
-            check_batch_ids(cfg, batch.sparse_features, "the first training batch")
+            check_batch_ids(run, model, data, batch.sparse_features, "the first training batch")
         if evaluates:
             probe = _peek(held_out)
             if probe is not None:
-                check_batch_ids(cfg, probe.sparse_features, "the first held-out batch")
+                check_batch_ids(run, model, data, probe.sparse_features, "the first held-out batch")
     return batch.sparse_features if batch is not None else None
 
 
@@ -238,13 +248,13 @@ def _peek(source: Iterable[Batch]) -> Batch | None:
             batches.close()
 
 
-def _replan(cfg: DictConfig, run_dir: Path, changed: str, world: int) -> bool:
+def _replan(asked: bool, run_dir: Path, changed: str, world: int) -> bool:
     """Whether a resume whose plan differs from the checkpoint's rebuilds the tier files under
-    the new plan: when asked (``run.replan``), or when the world size changed, which changes
+    the new plan: when ``asked`` (``run.replan``), or when the world size changed, which changes
     the plan by itself. The checkpoint's sharded tensors carry their global offsets, so
     loading them into the new plan's shards restores every row exactly."""
     before = planned_world_size(run_dir)
-    if not (bool(option(cfg, "run.replan")) or before != world):
+    if not (asked or before != world):
         return False
     why = f"world size {before} -> {world}" if before != world else "run.replan=true"
     logger.warning(
@@ -259,24 +269,43 @@ class Trainer:
     """One rank's run, as its steps read: :meth:`run` finds where the run starts, builds the
     model (vetting the plan before any tier file exists), loads the checkpoint, trains with
     periodic checkpoints, saves the final one, evaluates and reports. Options are read and
-    checked when it is made, before anything is built."""
+    checked when it is made, before anything is built.
+
+    Args:
+        app: the run's typed config.
+        run_dir: ``run.dir``, made and checked writable.
+        rank: this process's rank.
+        world: ranks in the job.
+        device: this rank's compute device.
+        config_yaml: the composed config as YAML, saved as the run directory's ``config.yaml``.
+    """
 
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, rank: int, world: int, device: torch.device
+        self,
+        app: AppConfig,
+        run_dir: Path,
+        rank: int,
+        world: int,
+        device: torch.device,
+        config_yaml: str,
     ) -> None:
-        self.cfg = cfg
+        self.app = app
         self.run_dir = run_dir
         self.rank = rank
         self.world = world
         self.device = device
-        torch.manual_seed(int(cfg.run.seed))
-        self.lookahead = lookahead_depth(cfg)
-        self.read_ahead = read_ahead_batches(cfg)
-        self.schedule = Schedule.from_config(cfg)
-        self.eval_cap = count_option(cfg, "run.eval_batches", minimum=0)
-        self.keep = count_option(cfg, "run.keep_checkpoints", minimum=1)
-        self.full_every = count_option(cfg, "run.full_checkpoint_every", minimum=1) or 1
-        self.tensorboard = bool(option(cfg, "run.tensorboard"))
+        self.config_yaml = config_yaml
+        run = app.run
+        torch.manual_seed(run.seed)
+        self.lookahead = lookahead_depth(app.pipeline)
+        self.read_ahead = read_ahead_batches(app.pipeline)
+        self.schedule = Schedule.from_config(run)
+        self.eval_cap = count_option(run.eval_batches, "run.eval_batches", minimum=0)
+        self.keep = count_option(run.keep_checkpoints, "run.keep_checkpoints", minimum=1)
+        self.full_every = (
+            count_option(run.full_checkpoint_every, "run.full_checkpoint_every", minimum=1) or 1
+        )
+        self.tensorboard = run.tensorboard
         self.phases: dict[str, float] = {}
         self.warned: list[str] = []
         self.saves: list[dict[str, Any]] = []
@@ -296,21 +325,21 @@ class Trainer:
     def _find_start(self) -> None:
         """The finished checkpoints to try, newest first (none: the run starts, over in place),
         the data position after the newest, and the first batches every rank checks."""
-        cfg, rank, world = self.cfg, self.rank, self.world
-        self.candidates = resume_candidates(cfg, self.run_dir, rank, world)
+        app, rank, world = self.app, self.rank, self.world
+        self.candidates = resume_candidates(app.run.resume, app.hardware, self.run_dir, rank, world)
         self.last = self.candidates[0] if self.candidates else None
         self.start_step = self.last[0] if self.last is not None else 0
         self.position = (
             checkpoint_position(self.last[1]) if self.last is not None else Position(0, 0)
         )
-        self.first = source(cfg, rank, world, Split.TRAIN, self.position.batch)
-        self.held_out = source(cfg, rank, world, Split.EVAL)
+        self.first = source(app.data, rank, world, Split.TRAIN, self.position.batch)
+        self.held_out = source(app.data, rank, world, Split.EVAL)
         self.probe = _on_all_ranks(
-            lambda: _first_batches(cfg, self.first, self.held_out, self.eval_cap != 0), world
+            lambda: _first_batches(app, self.first, self.held_out, self.eval_cap != 0), world
         )
         self.log = self._run_log()
         if self.last is None:
-            _on_all_ranks(lambda: start_over(cfg, self.run_dir, rank), world)
+            _on_all_ranks(lambda: start_over(app.hardware, self.run_dir, rank), world)
 
     def _run_log(self) -> RunLog:
         return RunLog(
@@ -325,12 +354,13 @@ class Trainer:
     def _build(self) -> tuple[DistributedModelParallel, CombinedOptimizer, str, torch.Tensor]:
         """The model and optimizer, and how many tier files were created and reopened (summed
         over ranks)."""
-        files_before = tier_files(self.cfg, self.rank)
-        with _errors_explained(self.cfg):
+        hardware = self.app.hardware
+        files_before = tier_files(hardware, self.run_dir, self.rank)
+        with _errors_explained(self.app):
             model, optimizer, plan_text = build_model(
-                self.cfg, self.world, self.last is not None, self.device, before_build=self._vet
+                self.app, self.world, self.last is not None, self.device, before_build=self._vet
             )
-        files_after = tier_files(self.cfg, self.rank)
+        files_after = tier_files(hardware, self.run_dir, self.rank)
         self.rebuilt = sorted(set(files_after) - set(files_before))
         reopened = sum(1 for p, ino in files_after.items() if files_before.get(p) == ino)
         counts = torch.tensor([len(files_after) - reopened, reopened], device=self.device)
@@ -343,8 +373,8 @@ class Trainer:
         a plan other than the checkpoint's and tier files that would not fit their disks stop
         the run; a new run records its plan (and so its tier files, which a rerun may then
         remove to start over)."""
-        cfg, rank, world, run_dir = self.cfg, self.rank, self.world, self.run_dir
-        record = plan_record(cfg, plan, world, self.device.type)
+        app, rank, world, run_dir = self.app, self.rank, self.world, self.run_dir
+        record = plan_record(app.hardware, run_dir, plan, world, self.device.type)
         if world > 1:  # each rank names its own files: tier roots may differ between nodes
             mine: list[object] = [None] * world
             dist.all_gather_object(mine, record["files"].get(str(rank), []))
@@ -356,7 +386,9 @@ class Trainer:
                 if isinstance(ps, TieredParameterSharding)
             }
             storage = used & {Tier.BYTE_SCM, Tier.BLOCK_SCM}
-            dirs = {tier.value: tier_dir(cfg, tier.value, rank) for tier in storage}
+            dirs = {
+                tier.value: tier_dir(app.hardware, run_dir, tier.value, rank) for tier in storage
+            }
             for warning in network_storage_warnings(dirs):
                 logger.warning(warning)
 
@@ -365,13 +397,13 @@ class Trainer:
         def check() -> None:
             nonlocal replanned
             if self.probe is not None:
-                check_cache_sizes(cfg, plan, self.probe, hot_rows)
+                check_cache_sizes(app.planner, app.data, plan, self.probe, hot_rows)
             changed = plan_changes(run_dir, record) if self.last is not None else None
             if changed is not None:
-                replanned = _replan(cfg, run_dir, changed, world)
+                replanned = _replan(app.run.replan, run_dir, changed, world)
                 if not replanned:
                     raise RunDirError(changed)
-            no_room = tier_space_problem(cfg, plan, rank)
+            no_room = tier_space_problem(app.hardware, run_dir, plan, rank)
             if no_room is not None:
                 raise ConfigError(no_room)
 
@@ -391,7 +423,9 @@ class Trainer:
             self.last = loaded
             self.start_step = loaded[0]
             self.position = checkpoint_position(loaded[1])
-            self.first = source(self.cfg, self.rank, self.world, Split.TRAIN, self.position.batch)
+            self.first = source(
+                self.app.data, self.rank, self.world, Split.TRAIN, self.position.batch
+            )
             self.log = self._run_log()
         self.phases["restore"] = time.perf_counter() - t0
         if self.rebuilt:
@@ -412,7 +446,7 @@ class Trainer:
     def _announce(self, plan_text: str) -> None:
         if self.rank == 0:
             (self.run_dir / "plan.txt").write_text(plan_text + "\n")
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
             ranks = f"{self.world} rank{'s' if self.world > 1 else ''} on {self.device.type}"
             print(f"Sharding plan ({ranks}):\n{plan_text}", flush=True)
 
@@ -424,18 +458,19 @@ class Trainer:
         optimizer: CombinedOptimizer,
         file_counts: torch.Tensor,
     ) -> dict[str, Any]:
-        cfg, rank, world, device = self.cfg, self.rank, self.world, self.device
+        app, rank, world, device = self.app, self.rank, self.world, self.device
+        run = app.run
         schedule, position = self.schedule, self.position
-        batch_size = int(cfg.data.batch_size)
+        batch_size = app.data.batch_size
         model.train()
         first = self.first
         progress = Progress(
             total=schedule.total(len(first) + position.batch if isinstance(first, Sized) else None),
             initial=self.start_step,
-            enabled=rank == 0 and bool(cfg.run.progress),
-            every_s=float(cfg.run.progress_every_s),
+            enabled=rank == 0 and run.progress,
+            every_s=run.progress_every_s,
         )
-        log_every = max(1, int(cfg.run.log_every))
+        log_every = max(1, run.log_every)
         window = TrainWindow(model, batch_size, device)
         losses: list[float] = []
         samples = 0  # this rank's
@@ -444,10 +479,10 @@ class Trainer:
             track_changes(groups)  # incremental checkpoints write only the rows training changed
         io_before = snapshot(groups)
         timed_start = time.perf_counter()
-        ckpt_every = int(cfg.run.checkpoint_every)
+        ckpt_every = run.checkpoint_every
         state = DataState()
         train_stream = training_batches(
-            cfg, rank, world, device, schedule, position, first, state, self.read_ahead
+            app.data, rank, world, device, schedule, position, first, state, self.read_ahead
         )
         stream: Iterator[Batch] = train_stream
         if schedule.steps is not None:
@@ -489,7 +524,7 @@ class Trainer:
             }
 
         try:
-            with _errors_explained(cfg, self.run_dir), running:
+            with _errors_explained(app, self.run_dir), running:
                 while schedule.steps is None or step < schedule.steps:
                     try:
                         loss, logits, labels = step_fn()
@@ -503,7 +538,7 @@ class Trainer:
                     progress.update(report() if step % log_every == 0 else None)
                     if ckpt_every and step % ckpt_every == 0:
                         # The last step's checkpoint is the run's final one: always full.
-                        final = step == schedule.steps and cfg.run.final_checkpoint
+                        final = step == schedule.steps and run.final_checkpoint
                         saved = checkpoint(full=final)
                 if window.steps:
                     progress.show(report())  # the last steps, short of a whole window
@@ -513,12 +548,12 @@ class Trainer:
             all_samples = torch.tensor([samples], dtype=torch.float64, device=device)
             if world > 1:
                 dist.all_reduce(all_samples)
-            self.warned.extend(short_of_schedule(cfg, schedule, state, step))
+            self.warned.extend(short_of_schedule(app.data, schedule, state, step))
             self.phases["train"] = elapsed
 
             # Saved before evaluation, so a failure there loses no training.
             ckpt: Path | None
-            if not cfg.run.final_checkpoint:
+            if not run.final_checkpoint:
                 # The tiers hold the trained rows, but only a finished checkpoint resumes.
                 found = last_checkpoint(self.run_dir)
                 ckpt = found[1] if found is not None else None
@@ -582,14 +617,14 @@ class Trainer:
         if self.eval_cap != 0:
             batches, _ = in_step(self.held_out, self.world, self.device, self.read_ahead)
             try:
-                with _errors_explained(self.cfg, self.run_dir):
+                with _errors_explained(self.app, self.run_dir):
                     result = evaluate(
                         model, itertools.islice(batches, self.eval_cap), self.device, batch_size
                     )
             finally:
                 batches.close()  # stops its read-ahead thread
             self.log.eval(step, result)
-            self.warned.extend(_eval_warnings(self.cfg, result, self.world))
+            self.warned.extend(_eval_warnings(self.app.data, result, self.world))
         self.phases["eval"] = time.perf_counter() - t0
         return result
 

@@ -27,6 +27,7 @@ shows the job it would submit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import sys
@@ -34,12 +35,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from apps.dlrm.config import CONF_DIR
+from apps.dlrm.config import CONF_DIR, to_app_config
+from apps.dlrm.errors import ConfigError
 from apps.dlrm.model import pooling_factors
 from torchrec_mtrains.planner.planners import with_budgets
-from torchrec_mtrains.planner.presets import available_presets, topology_from_config
+from torchrec_mtrains.planner.presets import available_presets
 from torchrec_mtrains.planner.sizes import exact_size, format_size, parse_size
 from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.planner.types import PlacementError, PlannerConfig
@@ -113,24 +113,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *args.overrides,
             ],
         )
-    if cfg.planner.get("name") != "tiered":
+    try:
+        app = to_app_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(app.planner, PlannerConfig):
         print(
             f"error: {chosen[-1] if chosen else 'planner'}: the what-if CLI plans with the tiered "
             "planner only; choose planner=tiered or planner=tiered_capacity_bound",
             file=sys.stderr,
         )
         return 2
+    host, config = app.hardware, app.planner
     try:
-        host = topology_from_config(cfg.hardware)
-        planner_node = OmegaConf.to_container(cfg.planner, resolve=True)
-        assert isinstance(planner_node, dict)
-        config = PlannerConfig.from_mapping({str(k): v for k, v in planner_node.items()})
         profile_path = args.profile or config.profile
         profile = AccessProfile.from_json(profile_path) if profile_path else None
-        model_node = OmegaConf.to_container(cfg.model, resolve=True)
-        assert isinstance(model_node, dict)
-        model_spec = {str(k): v for k, v in model_node.items()}
-        model_spec["pooling_factors"] = pooling_factors(cfg) or None
+        model_spec = dataclasses.asdict(app.model)
+        model_spec["pooling_factors"] = pooling_factors(app.model, app.data) or None
         model = model_tables(model_spec, profile)
         # The planner applies the budgets wherever it runs; applying them here first turns a
         # bad one (unparsable, or a byte SCM budget without byte SCM) into a one-line error.
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    batch = args.batch_size or int(cfg.data.batch_size)
+    batch = args.batch_size or app.data.batch_size
 
     print(
         f"model {args.model}: {len(model.configs)} tables, "

@@ -14,8 +14,18 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from apps.dlrm.config import CONF_DIR, check_keys
+from apps.dlrm.config import (
+    CONF_DIR,
+    ModelConfig,
+    PipelineConfig,
+    RunConfig,
+    SizeRulePlannerConfig,
+    check_keys,
+    to_app_config,
+)
+from apps.dlrm.data import CriteoNpyDataConfig, CriteoTsvDataConfig, SyntheticDataConfig
 from apps.dlrm.errors import ConfigError
+from torchrec_mtrains.planner import HostTopology, PlannerConfig, topology_from_config
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_RUN = (
@@ -84,6 +94,42 @@ def test_an_appended_unknown_key_is_refused_by_name(override: str, named: str) -
 )
 def test_every_shipped_choice_passes_the_schema(overrides: tuple[str, ...]) -> None:
     check_keys(_compose(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "data", "planner"),
+    [
+        ((), SyntheticDataConfig, PlannerConfig),
+        (("planner=size_rule",), SyntheticDataConfig, SizeRulePlannerConfig),
+        (("data=criteo_tsv",), CriteoTsvDataConfig, PlannerConfig),
+        (("data=criteo_npy", "hardware=gpu_pmem_nvme"), CriteoNpyDataConfig, PlannerConfig),
+    ],
+)
+def test_the_composed_config_converts_to_its_schemas_dataclasses(
+    overrides: tuple[str, ...], data: type, planner: type
+) -> None:
+    cfg = _compose("model.num_embeddings_per_feature=[7,8]", *overrides)
+    app = to_app_config(cfg)
+    assert isinstance(app.run, RunConfig) and isinstance(app.pipeline, PipelineConfig)
+    assert isinstance(app.model, ModelConfig)
+    assert type(app.data) is data and type(app.planner) is planner
+    assert isinstance(app.hardware, HostTopology)
+    assert app.hardware == topology_from_config(cfg.hardware)
+    assert app.data.num_embeddings_per_feature == [7, 8]  # interpolations resolved
+    assert app.run.dir == str(cfg.run.dir)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("hardware.ranks_per_host=0", "hardware: ranks_per_host must be >= 1, got 0"),
+        ("planner.cache_policy=fifo", "planner: cache_policy 'fifo' unknown"),
+    ],
+)
+def test_a_value_its_schema_refuses_is_named_with_its_node(override: str, named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        to_app_config(_compose(override))
+    assert named in str(caught.value)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import pytest
 import torch.multiprocessing as mp
 from dlrm_helpers import SIZES, TINY_TABLES, compose_app
 
+from apps.dlrm.config import to_app_config
 from apps.dlrm.train import ConfigError, collective_timeout, main
 from torchrec_mtrains.distributed.runtime import free_port
 
@@ -44,11 +45,14 @@ def write_tsv(path: Path, rows: int, bad_line: int | None = None, seed: int = 0)
 
 
 def test_collective_timeout_is_a_duration_with_a_default_well_under_torchs() -> None:
-    assert collective_timeout(compose_app()) == timedelta(minutes=10)
-    assert collective_timeout(compose_app("run.collective_timeout=90s")) == timedelta(seconds=90)
-    assert collective_timeout(compose_app("run.collective_timeout=45")) == timedelta(seconds=45)
+    def timeout(*overrides: str) -> timedelta:
+        return collective_timeout(to_app_config(compose_app(*overrides)).run)
+
+    assert timeout() == timedelta(minutes=10)
+    assert timeout("run.collective_timeout=90s") == timedelta(seconds=90)
+    assert timeout("run.collective_timeout=45") == timedelta(seconds=45)
     with pytest.raises(ConfigError, match=r"run\.collective_timeout='soon' is not a duration"):
-        collective_timeout(compose_app("run.collective_timeout=soon"))
+        timeout("run.collective_timeout=soon")
 
 
 def _launch(

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from dlrm_helpers import TIERED_TABLES, app_config, same_tier_rows
 from omegaconf import DictConfig
 
+from apps.dlrm.config import to_app_config
 from apps.dlrm.errors import ConfigError, RunDirError
 from apps.dlrm.model import tier_root
 from apps.dlrm.train import main, run
@@ -342,7 +343,8 @@ def test_two_ranks_agree_on_refusals_resume_and_rebuilt_files(tmp_path: Path) ->
     ran = _two_ranks(tmp_path, tsv(run_dir, good, *base, "run.steps=4"))
     assert [r["steps"] for r in ran] == [4, 4]
     cfg = tsv(run_dir, good, *base, "run.steps=6", "run.resume=true")
-    victim = sorted((tier_root(cfg)).glob("*/rank1/*.rows"))[0]
+    app = to_app_config(cfg)
+    victim = sorted(tier_root(app.hardware, Path(app.run.dir)).glob("*/rank1/*.rows"))[0]
     victim.unlink()
     resumed = _two_ranks(tmp_path, cfg)
     assert [r["steps"] for r in resumed] == [6, 6]

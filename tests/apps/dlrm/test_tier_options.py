@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from apps.dlrm.config import CONF_DIR  # importing it registers the app's config schemas
+from apps.dlrm.config import CONF_DIR, to_app_config  # importing it registers the schemas
 from apps.dlrm.model import build_model, build_storage
 from torchrec_mtrains.pipeline import tiered_groups
 from torchrec_mtrains.planner import topology_from_config
@@ -61,7 +61,8 @@ def _config(run_dir: Path, *overrides: str) -> DictConfig:
 
 def test_the_storage_takes_block_size_and_queue_depth_from_the_hardware(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "hardware.block_scm.queue_depth=8")
-    storage = build_storage(cfg, resume=False)
+    app = to_app_config(cfg)
+    storage = build_storage(app.hardware, Path(app.run.dir), resume=False)
     host = topology_from_config(cfg.hardware)
     assert host.block_scm is not None and host.block_scm.queue_depth == 8
     assert storage.options_for(Tier.BLOCK_SCM) == LogBlockScmOptions(

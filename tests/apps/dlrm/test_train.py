@@ -21,10 +21,11 @@ from dlrm_helpers import SIZES, TIERED_TABLES, TINY_TABLES, app_config
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from apps.dlrm.config import to_app_config
 from apps.dlrm.data import SyntheticCriteoDataset
 from apps.dlrm.model import size_option, tiered_plan
 from apps.dlrm.placement import balance_ranks, table_bytes
@@ -237,16 +238,13 @@ def test_cache_smaller_than_a_batch_names_the_knobs(tmp_path: Path) -> None:
 )
 def test_sizes_parse_as_everywhere_else(text: str, size: int) -> None:
     # One parser for every size option: SI for KB/MB/GB, IEC for KiB/MiB/GiB.
-    assert (
-        size_option(OmegaConf.create({"planner": {"dram_budget": text}}), "planner.dram_budget")
-        == size
-    )
+    assert size_option(text, "planner.dram_budget") == size
 
 
 @pytest.mark.parametrize("text", ["lots", "MB", "-5MB", "64XB", "64m"])
 def test_bad_sizes_name_the_option(text: str) -> None:
     with pytest.raises(ConfigError, match=r"^planner\.dram_budget="):
-        size_option(OmegaConf.create({"planner": {"dram_budget": text}}), "planner.dram_budget")
+        size_option(text, "planner.dram_budget")
 
 
 def test_ranks_are_balanced_largest_table_first() -> None:
@@ -468,7 +466,7 @@ def test_tiered_plan_reads_the_apps_config(tmp_path: Path) -> None:
         device=torch.device("meta"),
     )
     sharder = TieredEmbeddingBagCollectionSharder(offer_tiered_kernel=True)
-    plan, text = tiered_plan(cfg, ebc, sharder, 1, torch.device("cpu"))
+    plan, text = tiered_plan(to_app_config(cfg), ebc, sharder, 1, torch.device("cpu"))
     assert set(plan) == {f"t_cat_{i}" for i in range(len(SIZES))}
     assert "local" in text and "assumed uniform" in text
     # The budget is honoured: 1.36 MB of tables do not all fit in 1 MB of DRAM.
