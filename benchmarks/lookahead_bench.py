@@ -37,10 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 
-from apps.dlrm.config import CONF_DIR
+from apps.dlrm.config import CONF_DIR, AppConfig, to_app_config
 from apps.dlrm.data import build_dataloader
 from apps.dlrm.model import build_model
 from torchrec_mtrains.distributed.runtime import init_process_group, resolve_device
@@ -89,7 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_config(args: argparse.Namespace, run_dir: Path) -> DictConfig:
+def make_config(args: argparse.Namespace, run_dir: Path) -> AppConfig:
+    """The app's config for this run, composed from ``conf/`` and typed, as the app's ``main``
+    makes it."""
     sizes = [args.rows] * args.big_tables + [SMALL_ROWS] * args.small_tables
     # Small tables (SMALL_ROWS x dim, with row-wise optimizer state) fit the DRAM budget; the
     # big ones are far above the block tier's threshold.
@@ -111,27 +112,25 @@ def make_config(args: argparse.Namespace, run_dir: Path) -> DictConfig:
         f"planner.cache_load_factor={args.cache_load_factor}",
     ]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return to_app_config(compose(config_name="config", overrides=overrides))
 
 
-def batches(cfg: DictConfig) -> Iterator[Batch]:
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    assert isinstance(data, dict)
-    return iter(build_dataloader(data, 0, 1))  # type: ignore[arg-type]
+def batches(app: AppConfig) -> Iterator[Batch]:
+    return iter(build_dataloader(app.data, 0, 1))
 
 
 def run(
     args: argparse.Namespace, root: Path, lookahead: int, device: torch.device
 ) -> dict[str, Any]:
     """Trains a fresh model with ``lookahead`` (0 = plain loop); per-step means."""
-    cfg = make_config(args, root / f"lookahead{lookahead}")
-    Path(str(cfg.run.dir)).mkdir(parents=True)
-    torch.manual_seed(int(cfg.run.seed))
+    app = make_config(args, root / f"lookahead{lookahead}")
+    Path(app.run.dir).mkdir(parents=True)
+    torch.manual_seed(app.run.seed)
     t0 = time.perf_counter()
-    model, optimizer, plan = build_model(cfg, 1, False, device)
+    model, optimizer, plan = build_model(app, 1, False, device)
     build_s = time.perf_counter() - t0
     groups = tiered_groups(model)
-    data = batches(cfg)
+    data = batches(app)
     model.train()
     steps: list[StepStats] = []
     losses: list[float] = []

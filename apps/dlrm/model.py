@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
-from omegaconf import DictConfig
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner.types import PlannerError
@@ -30,7 +29,6 @@ from apps.dlrm.config import (
     PipelineConfig,
     RunConfig,
     SizeRulePlannerConfig,
-    to_app_config,
 )
 from apps.dlrm.data import DataConfig, SyntheticDataConfig
 from apps.dlrm.errors import ConfigError
@@ -153,7 +151,7 @@ def cache_knob(planner: PlannerConfig | SizeRulePlannerConfig) -> str:
 
 
 def build_model(
-    app: AppConfig | DictConfig,
+    app: AppConfig,
     world_size: int,
     resume: bool,
     device: torch.device,
@@ -167,11 +165,9 @@ def build_model(
     created or opened (the hot rows are each tiered table's pinned ones): checks that can
     refuse the plan belong there, so a refused run leaves no tier file behind.
 
-    ``app`` is the run's typed config; a composed one (a caller that composes its own, like
-    ``benchmarks/lookahead_bench.py``) is converted here (:func:`~apps.dlrm.config.to_app_config`).
+    ``app`` is the run's typed config (:func:`~apps.dlrm.config.to_app_config` of a composed
+    one).
     """
-    if isinstance(app, DictConfig):
-        app = to_app_config(app)
     sizes = check_model_config(app.model, app.data)
     dim = app.model.embedding_dim
     seed = app.run.seed

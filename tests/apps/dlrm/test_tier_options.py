@@ -77,7 +77,9 @@ def test_block_stores_run_at_the_queue_depth_the_planner_assumed(
     cfg = _config(tmp_path, *PLANNERS[planner], "hardware.block_scm.queue_depth=8")
     host = topology_from_config(cfg.hardware)  # what the tiered planner's perf model reads
     assert host.block_scm is not None
-    model, _, plan_text = build_model(cfg, 1, resume=False, device=torch.device("cpu"))
+    model, _, plan_text = build_model(
+        to_app_config(cfg), 1, resume=False, device=torch.device("cpu")
+    )
     stores = [
         shard.store
         for group in tiered_groups(model)
