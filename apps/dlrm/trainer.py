@@ -43,7 +43,6 @@ from apps.dlrm.checkpoints import (
     Position,
     checkpoint_bytes,
     checkpoint_position,
-    how_to_continue,
     last_checkpoint,
     load_newest,
     next_parent,
@@ -57,13 +56,12 @@ from apps.dlrm.data import (
     CriteoNpyDataConfig,
     CriteoTsvDataConfig,
     DataConfig,
-    MalformedRowError,
     Split,
 )
 from apps.dlrm.errors import ConfigError, RunDirError
+from apps.dlrm.explain import errors_explained
 from apps.dlrm.model import (
     build_model,
-    cache_knob,
     check_batch_ids,
     check_cache_sizes,
     lookahead_depth,
@@ -88,12 +86,9 @@ from apps.dlrm.report import (
     summary,
 )
 from apps.dlrm.run_files import PLAN_FILE, tier_dir, tier_files
-from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import track_changes
-from torchrec_mtrains.distributed.tiered_tables import TableIdError
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
-from torchrec_mtrains.tiers.base import RowStoreError
 from torchrec_mtrains.types import Tier
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
@@ -131,74 +126,6 @@ def _eval_warnings(data: DataConfig, result: EvalResult, world: int) -> list[str
     ]
 
 
-def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """``error`` or the first of its causes (a pipeline worker's error arrives wrapped) that
-    is a ``kind``."""
-    seen: set[int] = set()
-    found: BaseException | None = error
-    while found is not None and id(found) not in seen:
-        if isinstance(found, kind):
-            return found
-        seen.add(id(found))
-        found = found.__cause__ or found.__context__
-    return None
-
-
-def _explained(app: AppConfig, error: BaseException) -> str | None:
-    """``error`` as a sentence naming the file, table or option at fault and what to change,
-    for the errors the data, the tiers and the caches raise; None for any other."""
-    if (e := _cause(error, CacheTooSmallError)) is not None:
-        # With look-ahead the cache holds ``lookahead + 1`` batches at once.
-        lookahead = lookahead_depth(app.pipeline)
-        also = (
-            f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
-            "batches besides the running one)"
-            if lookahead
-            else ""
-        )
-        return (
-            f"{e}. Raise {cache_knob(app.planner)} or lower data.batch_size "
-            f"(now {app.data.batch_size}){also}."
-        )
-    if (e := _cause(error, MalformedRowError)) is not None:
-        return (
-            f"malformed data row {e} (data.on_error=fail): fix or delete that line, or pass "
-            "data.on_error=skip to skip and count malformed rows."
-        )
-    if (e := _cause(error, TableIdError)) is not None:
-        return (
-            f"{e}: the data's ids must fit model.num_embeddings_per_feature "
-            f"(data.kind={app.data.kind}); make them fit, give the tables more rows, or pass "
-            "run.bounds_check=warn to train such ids on row 0 as TorchRec does"
-        )
-    if (e := _cause(error, RowStoreError)) is not None:
-        return (
-            f"tier storage (hardware.*): {e}. Free space there, or point hardware.tier_root / "
-            "hardware.dirs at other directories."
-            if "full" in str(e) or "quota" in str(e)
-            else f"tier storage (hardware.*): {e}"
-        )
-    return None
-
-
-@contextlib.contextmanager
-def _errors_explained(app: AppConfig, run_dir: Path | None = None) -> Iterator[None]:
-    """The data's, the tiers' and the caches' errors as one-paragraph config errors
-    (:func:`_explained`); with ``run_dir`` (once training has begun) they also say how a
-    rerun carries on: from the last finished checkpoint, or over in place."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except Exception as e:
-        message = _explained(app, e)
-        if message is None:
-            raise
-        if run_dir is not None:
-            message = f"{message.rstrip('.')}. Then {how_to_continue(run_dir)}."
-        raise ConfigError(message) from None
-
-
 def _on_all_ranks(check: Callable[[], _T], world: int) -> _T:
     """``check()`` on every rank: a user error on any rank stops them all, with its message,
     rather than leaving the others waiting in their next collective."""
@@ -227,7 +154,7 @@ def _first_batches(
     ids outside a table stop the run here, not after it built its tiers. Returns the training
     batch's ids (the caches are sized against them), None if the split is empty."""
     run, model, data = app.run, app.model, app.data
-    with _errors_explained(app):
+    with errors_explained(app):
         batch = _peek(first)
         if batch is not None:
             check_batch_ids(run, model, data, batch.sparse_features, "the first training batch")
@@ -356,7 +283,7 @@ class Trainer:
         over ranks)."""
         hardware = self.app.hardware
         files_before = tier_files(hardware, self.run_dir, self.rank)
-        with _errors_explained(self.app):
+        with errors_explained(self.app):
             model, optimizer, plan_text = build_model(
                 self.app, self.world, self.last is not None, self.device, before_build=self._vet
             )
@@ -524,7 +451,7 @@ class Trainer:
             }
 
         try:
-            with _errors_explained(app, self.run_dir), running:
+            with errors_explained(app, self.run_dir), running:
                 while schedule.steps is None or step < schedule.steps:
                     try:
                         loss, logits, labels = step_fn()
@@ -617,7 +544,7 @@ class Trainer:
         if self.eval_cap != 0:
             batches, _ = in_step(self.held_out, self.world, self.device, self.read_ahead)
             try:
-                with _errors_explained(self.app, self.run_dir):
+                with errors_explained(self.app, self.run_dir):
                     result = evaluate(
                         model, itertools.islice(batches, self.eval_cap), self.device, batch_size
                     )

@@ -1,4 +1,4 @@
-"""The row-store contract every storage tier implements, its file header, counters and registry.
+"""The row-store contract every storage tier implements, its file header and counters.
 
 A *row store* holds one table (or one rank's shard of it) as ``num_rows`` fixed-size rows, each
 row the table's weights followed by its optimizer state (see :class:`RowLayout`). Stores are
@@ -15,6 +15,12 @@ memory mapping, a SIGBUS) later.
 How a store is opened beyond that (block size, queue depth, NUMA node, ...) is a small frozen
 :class:`TierOptions` dataclass per backend, registered with the store class
 (``RowStore.options_type``): one typed path from a config to a store, checked key by key.
+
+Why one file over ~600 lines: the public methods of :class:`RowStore` check ids, shapes and
+state and keep the counters before handing over to the few a backend implements, and the file
+header is what :meth:`RowStore._prepare_file` creates and checks for every backend; each half
+reads only with the other beside it. The registry, the options and the engines live apart
+(``registry.py``, ``options.py``, ``_blockio.py``).
 """
 
 from __future__ import annotations
