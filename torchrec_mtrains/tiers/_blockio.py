@@ -389,6 +389,26 @@ class PassReader(ABC):
 
     _engine: IOEngine
     _buffers: BufferPool
+    _fd: int
+    direct: bool
+    engine: str  # "aio" or "threads": the engine in use, after any fallback
+
+    def _start_io(
+        self,
+        kind: IOEngineKind,
+        depth: int,
+        max_pass_bytes: int,
+        name_error: Callable[[OSError, str], Exception],
+    ) -> None:
+        """Sets up the engine for the open file (closing it when that fails, the error named
+        by ``name_error``) and the pool that keeps a pass's buffer idle between calls."""
+        try:
+            self._engine = make_engine(kind, depth, self.direct)
+        except OSError as e:
+            os.close(self._fd)
+            raise name_error(e, f"setting up the {kind.value} I/O engine") from e
+        self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
+        self._buffers = BufferPool(keep_bytes=IDLE_PASSES * max_pass_bytes)
 
     @abstractmethod
     def read_passes(self, ids: I64Array, out: npt.NDArray[np.float32]) -> ReadSteps:

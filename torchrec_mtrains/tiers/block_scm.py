@@ -24,17 +24,14 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
-    IDLE_PASSES,
     AlignedBuffer,
     BufferPool,
     I64Array,
     PassReader,
     ReadPass,
     ReadSteps,
-    ThreadEngine,
     U8Array,
     drive_reads,
-    make_engine,
     merge_runs,
     open_block_file,
 )
@@ -107,15 +104,10 @@ class BlockSCMStore(RowStore, PassReader):
         self._fd, self.direct = self._open(opts.direct)
         try:
             self._extend_to_whole_blocks()
-            self._engine = make_engine(engine_kind, queue_depth, self.direct)
-        except OSError as e:
-            os.close(self._fd)
-            raise self._os_error(e, f"setting up the {engine_kind.value} I/O engine") from e
         except BaseException:
             os.close(self._fd)
             raise
-        self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
-        self._buffers = BufferPool(keep_bytes=IDLE_PASSES * opts.max_pass_bytes)
+        self._start_io(engine_kind, queue_depth, opts.max_pass_bytes, self._os_error)
 
     # ------------------------------------------------------------------------------ opening
 

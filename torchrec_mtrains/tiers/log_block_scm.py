@@ -62,16 +62,13 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers._blockio import (
-    IDLE_PASSES,
     AlignedBuffer,
     BufferPool,
     I64Array,
     PassReader,
     ReadPass,
     ReadSteps,
-    ThreadEngine,
     drive_reads,
-    make_engine,
     merge_runs,
     open_block_file,
     warn_once,
@@ -301,15 +298,9 @@ class LogBlockSCMStore(RowStore, PassReader):
             )
         except OSError as e:
             raise self._os_error(e, "opening") from e
-        try:
-            self._engine = make_engine(opts.engine, opts.queue_depth, self.direct)
-        except OSError as e:
-            os.close(self._fd)
-            raise self._os_error(e, f"setting up the {opts.engine.value} I/O engine") from e
-        self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
         # Idle buffers for a read's and an append's pass; larger ones (a checkpoint of the
         # index is 8 bytes a row) are not pooled.
-        self._buffers = BufferPool(keep_bytes=IDLE_PASSES * opts.max_pass_bytes)
+        self._start_io(opts.engine, opts.queue_depth, opts.max_pass_bytes, self._os_error)
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
