@@ -110,6 +110,8 @@ def _read_group(readings: list[_Reading]) -> None:
             except BlockIOError as e:
                 owner = batch[int(np.searchsorted(np.cumsum(counts), e.index, side="right"))]
                 raise owner.store._os_error(e, "reading blocks") from e
+            except OSError as e:  # not one I/O's (the engine's own): the first file stands in
+                raise batch[0].store._os_error(e, "reading blocks") from e
             shares = _share(calls, counts)
             rest = active[len(batch) :]
             for r, base, share in zip(batch, bases, shares):
