@@ -49,7 +49,7 @@ def read_rows_together(requests: Sequence[tuple[RowStore, npt.ArrayLike]]) -> li
             read of the call is closed first.
     """
     out: list[RowArray | None] = [None] * len(requests)
-    groups: dict[tuple[type, int], list[tuple[int, _Reading]]] = {}
+    groups: dict[tuple[type, int], list[_Reading]] = {}
     started: list[_Reading] = []
     try:
         for i, (store, ids) in enumerate(requests):
@@ -70,14 +70,15 @@ def read_rows_together(requests: Sequence[tuple[RowStore, npt.ArrayLike]]) -> li
             reading = _Reading(store, store, ids_arr, steps, first)
             started.append(reading)
             key = (type(store._engine), store._engine.depth)
-            groups.setdefault(key, []).append((i, reading))
+            groups.setdefault(key, []).append(reading)
         for group in groups.values():
-            _read_group([reading for _, reading in group])
+            _read_group(group)
     finally:
         for reading in started:
             reading.steps.close()  # releases what an unfinished read holds
-    assert all(rows is not None for rows in out)
-    return out  # type: ignore[return-value]
+    read = [rows for rows in out if rows is not None]
+    assert len(read) == len(requests)
+    return read
 
 
 def _read_group(readings: list[_Reading]) -> None:
