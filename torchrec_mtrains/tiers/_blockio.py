@@ -393,22 +393,26 @@ class PassReader(ABC):
     direct: bool
     engine: str  # "aio" or "threads": the engine in use, after any fallback
 
-    def _start_io(
-        self,
-        kind: IOEngineKind,
-        depth: int,
-        max_pass_bytes: int,
-        name_error: Callable[[OSError, str], Exception],
-    ) -> None:
-        """Sets up the engine for the open file (closing it when that fails, the error named
-        by ``name_error``) and the pool that keeps a pass's buffer idle between calls."""
+    @abstractmethod
+    def _os_error(self, err: OSError, doing: str) -> Exception:
+        """``err`` as an error naming the store's file (the store's own)."""
+
+    def _start_io(self, kind: IOEngineKind, depth: int, max_pass_bytes: int) -> None:
+        """Sets up the engine for the open file (closing it when that fails) and the pool that
+        keeps a pass's buffer idle between calls."""
         try:
             self._engine = make_engine(kind, depth, self.direct)
         except OSError as e:
             os.close(self._fd)
-            raise name_error(e, f"setting up the {kind.value} I/O engine") from e
+            raise self._os_error(e, f"setting up the {kind.value} I/O engine") from e
         self.engine = "threads" if isinstance(self._engine, ThreadEngine) else "aio"
         self._buffers = BufferPool(keep_bytes=IDLE_PASSES * max_pass_bytes)
+
+    def _drive(self, steps: ReadSteps) -> tuple[int, int]:
+        """Runs this store's read ``steps`` alone (:func:`drive_reads`)."""
+        return drive_reads(
+            steps, self._engine, self._buffers, lambda e: self._os_error(e, "reading blocks")
+        )
 
     @abstractmethod
     def read_passes(self, ids: I64Array, out: npt.NDArray[np.float32]) -> ReadSteps:

@@ -31,7 +31,6 @@ from torchrec_mtrains.tiers._blockio import (
     ReadPass,
     ReadSteps,
     U8Array,
-    drive_reads,
     merge_runs,
     open_block_file,
 )
@@ -107,7 +106,7 @@ class BlockSCMStore(RowStore, PassReader):
         except BaseException:
             os.close(self._fd)
             raise
-        self._start_io(engine_kind, queue_depth, opts.max_pass_bytes, self._os_error)
+        self._start_io(engine_kind, queue_depth, opts.max_pass_bytes)
 
     # ------------------------------------------------------------------------------ opening
 
@@ -223,12 +222,7 @@ class BlockSCMStore(RowStore, PassReader):
             raise self._os_error(e, "writing blocks" if write else "reading blocks") from e
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        return drive_reads(
-            self.read_passes(ids, out),
-            self._engine,
-            self._buffers,
-            lambda e: self._os_error(e, "reading blocks"),
-        )
+        return self._drive(self.read_passes(ids, out))
 
     def read_passes(self, ids: IdArray, out: RowArray) -> ReadSteps:
         order, passes = self._split(ids)

@@ -68,7 +68,6 @@ from torchrec_mtrains.tiers._blockio import (
     PassReader,
     ReadPass,
     ReadSteps,
-    drive_reads,
     merge_runs,
     open_block_file,
     warn_once,
@@ -300,7 +299,7 @@ class LogBlockSCMStore(RowStore, PassReader):
             raise self._os_error(e, "opening") from e
         # Idle buffers for a read's and an append's pass; larger ones (a checkpoint of the
         # index is 8 bytes a row) are not pooled.
-        self._start_io(opts.engine, opts.queue_depth, opts.max_pass_bytes, self._os_error)
+        self._start_io(opts.engine, opts.queue_depth, opts.max_pass_bytes)
         self._gate = _ReadGate()
         self.log_stats = LogStats()
         self._generation = 0
@@ -749,11 +748,6 @@ class LogBlockSCMStore(RowStore, PassReader):
             moved_calls = yield from self._gather_passes(slots[hit], rows)
             out[hit] = rows
             return moved_calls
-
-    def _drive(self, steps: ReadSteps) -> tuple[int, int]:
-        return drive_reads(
-            steps, self._engine, self._buffers, lambda e: self._os_error(e, "reading blocks")
-        )
 
     def _gather(self, slots: I64Array) -> tuple[npt.NDArray[Any], int, int]:
         """Rows at ``slots`` in storage dtype; returns the rows, bytes and calls."""
