@@ -71,10 +71,10 @@ from typing import Any
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.workloads.mmap_baseline import build_mmap, init_mmap_files, verify_mapping
 from apps.dlrm.workloads.w1 import (
+    BatchStream,
     Built,
     Workload,
     build_fused,
@@ -83,6 +83,7 @@ from apps.dlrm.workloads.w1 import (
     tiered_groups,
 )
 from torchrec_mtrains.benchmark.fio import run_fio
+from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import (
     ProcessCounters,
     disk_free_bytes,
@@ -90,6 +91,7 @@ from torchrec_mtrains.benchmark.measure import (
     machine_info,
     median_windows,
     rss_bytes,
+    target,
     thread_cpu_seconds,
     write_json,
 )
@@ -122,7 +124,6 @@ TARGET_PEAK_OVER_PLANNED = 1.05
 VARIANTS = ("A", "B", "B_plain", "ours", "ours_flat")
 EXTRA_VARIANTS = ("B_plain", "ours_flat")  # run only at --extra-budgets
 BLOCK_SIZE = 4096
-CHECK_STEPS = 20  # the first steps whose losses every variant must share with A, bit for bit
 
 
 # ---------------------------------------------------------------------------------- worker
@@ -161,54 +162,6 @@ class WorkerSpec:
     reference_losses: list[float] | None = None
     check_only: bool = False  # A run for its first losses only (when A is not timed)
     smoke: bool = False
-
-
-class BatchStream:
-    """Batch ``i`` of the synthetic stream (a pure function of ``i``). Warm-up batches are made
-    when needed; the timed ones are made ahead by :meth:`prepare` (compact: int32 ids), so data
-    generation never runs inside a timed window."""
-
-    def __init__(self, wl: Workload, sizes: Sequence[int] | None = None) -> None:
-        self.ds = wl.dataset(sizes)
-        self._lengths = torch.ones(len(wl.sizes) * wl.batch_size, dtype=torch.int32)
-        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def prepare(self, first: int, count: int) -> None:
-        self._ready.clear()
-        for i in range(first, first + count):
-            b = self.ds.batch_at(i)
-            self._ready[i] = (
-                b.sparse_features.values().to(torch.int32),
-                b.dense_features,
-                b.labels,
-            )
-
-    def __getitem__(self, i: int) -> Batch:
-        if i not in self._ready:
-            return self.ds.batch_at(i)
-        values, dense, labels = self._ready[i]
-        kjt = KeyedJaggedTensor(
-            keys=self.ds.keys, values=values.to(torch.int64), lengths=self._lengths
-        )
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
-
-
-class LossMismatch(RuntimeError):
-    """A variant trained to other losses than A from the same weights and batches: it does not
-    compute what A computes, so none of its figures is a result."""
-
-
-def check_losses(variant: str, losses: Sequence[float], reference: Sequence[float]) -> None:
-    """Raises :class:`LossMismatch` at the first of ``reference``'s steps whose loss differs.
-
-    Every variant starts from A's weights (the tables' :meth:`Workload.table_init`, the dense
-    part's seed) and trains on A's batches, so on the CPU its losses are A's to the last bit."""
-    for step, (got, want) in enumerate(zip(losses, reference)):
-        if got != want:
-            raise LossMismatch(
-                f"{variant}: step {step} loss {got!r}, A's {want!r} from the same weights and "
-                "batches: it trains another model than A; no figure of it is reported"
-            )
 
 
 def load_cache_kernels() -> None:
@@ -597,21 +550,16 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     return {"table": table, "targets": targets}
 
 
-def _target(value: float | None, target: float, at_most: bool = False) -> dict[str, Any]:
-    met = value is not None and (value <= target if at_most else value >= target)
-    return {"value": value, "target": target, "at_most": at_most, "met": met}
-
-
 def _tiered_targets(variant: str, results: dict[str, Any], a_rate: float | None) -> dict[str, Any]:
     """The targets on ``variant`` at the budgets it ran at (15%: I/O, worker CPU, stall;
     50%: ours / A); the ratio to A at 15% of ``ours`` is the headline target above."""
     out: dict[str, Any] = {}
     half = results["budgets"].get(_key(0.5), {}).get(variant)
     if half is not None:
-        out[f"{variant}_vs_A_at_50pct"] = _target(_ratio(_rate(half), a_rate), TARGET_VS_A_AT_50)
+        out[f"{variant}_vs_A_at_50pct"] = target(_ratio(_rate(half), a_rate), TARGET_VS_A_AT_50)
     low = results["budgets"].get(_key(0.05), {}).get(variant)
     if low is not None:
-        out[f"{variant}_vs_A_at_5pct"] = _target(_ratio(_rate(low), a_rate), TARGET_VS_A_AT_5)
+        out[f"{variant}_vs_A_at_5pct"] = target(_ratio(_rate(low), a_rate), TARGET_VS_A_AT_5)
     overhead = results.get("overhead_bytes")
     for key, pair in results["budgets"].items():
         run = pair.get(variant)
@@ -619,21 +567,21 @@ def _tiered_targets(variant: str, results: dict[str, Any], a_rate: float | None)
             peak = run.get("cgroup_peak_bytes") or run.get("peak_rss_bytes")
             planned = run["planned_dram_bytes"] + overhead
             over = peak / planned if peak else None
-            out[f"{variant}_peak_over_planned_at_{key}"] = _target(
+            out[f"{variant}_peak_over_planned_at_{key}"] = target(
                 over, TARGET_PEAK_OVER_PLANNED, True
             )
     run = results["budgets"].get(_key(TARGET_BUDGET), {}).get(variant)
     if run is None:
         return out
     if variant != "ours":
-        out[f"{variant}_vs_A_at_15pct"] = _target(_ratio(_rate(run), a_rate), TARGET_VS_A)
+        out[f"{variant}_vs_A_at_15pct"] = target(_ratio(_rate(run), a_rate), TARGET_VS_A)
     ok = bool(run.get("ok"))
     blocks = _blocks_per_step(run)
     worker = (run.get("cpu_ms_per_step") or {}).get("tier_io") if ok else None
     stall = run.get("stall_share") if ok else None
-    out[f"{variant}_blocks_per_step_at_15pct"] = _target(blocks, TARGET_BLOCKS_AT_15, True)
-    out[f"{variant}_worker_cpu_ms_at_15pct"] = _target(worker, TARGET_WORKER_CPU_MS_AT_15, True)
-    out[f"{variant}_stall_share_at_15pct"] = _target(stall, TARGET_STALL_SHARE_AT_15, True)
+    out[f"{variant}_blocks_per_step_at_15pct"] = target(blocks, TARGET_BLOCKS_AT_15, True)
+    out[f"{variant}_worker_cpu_ms_at_15pct"] = target(worker, TARGET_WORKER_CPU_MS_AT_15, True)
+    out[f"{variant}_stall_share_at_15pct"] = target(stall, TARGET_STALL_SHARE_AT_15, True)
     return out
 
 

@@ -7,6 +7,7 @@ benchmarks skip the cap and say so; these tests accept either and check the repo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -89,11 +90,15 @@ def test_w1_smoke(tmp_path: Path) -> None:
     assert again.with_suffix(".png").exists()
 
 
-def test_w1_stops_at_a_variant_that_trains_another_model() -> None:
-    w1 = _load("w1_bench")
-    w1.check_losses("ours", [0.5, 0.25, 0.125], [0.5, 0.25, 0.125])
-    with pytest.raises(w1.LossMismatch, match=r"ours: step 1 loss 0\.3, A's 0\.25"):
-        w1.check_losses("ours", [0.5, 0.3, 0.125], [0.5, 0.25, 0.125])
+def test_a_variant_that_trains_another_model_is_stopped() -> None:
+    from torchrec_mtrains.benchmark.losses import LossMismatch, check_losses
+
+    check_losses("ours", [0.5, 0.25, 0.125], [0.5, 0.25, 0.125])
+    with pytest.raises(LossMismatch, match=r"ours: step 1 loss 0\.3, A's 0\.25"):
+        check_losses("ours", [0.5, 0.3, 0.125], [0.5, 0.25, 0.125])
+    check_losses("ours", [0.5, 0.25 * (1 + 1e-7)], [0.5, 0.25], rtol=1e-6)  # CUDA's tolerance
+    with pytest.raises(LossMismatch, match="beyond 1e-06 relative"):
+        check_losses("ours", [0.5, 0.25 * (1 + 1e-5)], [0.5, 0.25], rtol=1e-6)
 
 
 def test_w1_opens_its_block_stores_with_the_presets_options(tmp_path: Path) -> None:
@@ -160,3 +165,55 @@ def test_multi_read_smoke(tmp_path: Path) -> None:
         assert r[way]["ms_per_batch"] > 0 and r[way]["io_calls_per_batch"] > 0
     assert "together / alone" in done.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["multi_read.json"]
+
+
+def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
+    """The GPU benchmark's every part but CUDA: A, the three tiers, the disk's rate, JSON, PNG;
+    U is reported as CUDA-only."""
+    out = tmp_path / "gpu.json"
+    _run("gpu_bench.py", "--device", "cpu", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    r = json.loads(out.read_text())
+    runs = r["batches"]["256"]
+    assert runs["U"]["ok"] is False and "CUDA only" in runs["U"]["skipped"]
+    assert runs["A"]["ok"] and runs["A"]["samples_per_s"] > 0
+    for variant in ("ours_dram", "ours_byte_scm", "ours_block_scm"):
+        run = runs[variant]
+        assert run["ok"], run
+        assert (
+            run["losses_vs_A"] == "bit for bit" and run["first_losses"] == runs["A"]["first_losses"]
+        )
+        assert 0.0 <= run["hit_rate"] <= 1.0 and run["h2d_bytes_per_step"] > 0
+        assert run["stall_share"] is not None and run["tier"] in variant
+        assert r["summary"]["256"][variant]["vs_A"] > 0
+    assert runs["ours_block_scm"]["read_blocks_per_step"] > 0
+    assert r["disk"]["iops"] > 0 and r["summary"]["256"]["ours_block_scm_iops_bound_samples_per_s"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert not list(tmp_path.rglob("*.rows")), "each variant's tier files are removed after it"
+
+
+def test_gpu_bench_reports_no_figure_of_a_variant_that_trains_another_model(
+    tmp_path: Path,
+) -> None:
+    bench = _load("gpu_bench")
+    from apps.dlrm.workloads.w1 import Workload
+
+    wl = Workload.smoke()
+    spec = bench.WorkerSpec(
+        variant="ours_dram",
+        device="cpu",
+        workload=dataclasses.asdict(wl),
+        warmup=1,
+        windows=1,
+        window_steps=1,
+        directory=str(tmp_path / "tiers"),
+        out=str(tmp_path / "ours_dram.json"),
+        cache_load_factor=0.15,
+        min_rows=10_000,
+        lookahead=2,
+        threads=1,
+        check_steps=2,
+        reference_losses=[0.5, 0.5],  # not what W1's first steps train to
+    )
+    record = bench.launch(spec, tmp_path, timeout_s=200)
+    assert record["ok"] is False and "samples_per_s" not in record
+    assert "ours_dram: step 0 loss" in record["error"] and "trains another model" in record["error"]

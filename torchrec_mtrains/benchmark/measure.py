@@ -4,8 +4,9 @@
   and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
   role (training thread, tier I/O workers, the rest).
 * :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
-* :func:`median_windows` turns timed windows into samples/s; :func:`machine_info` and
-  :func:`write_json` record what a run ran on and what it measured.
+* :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
+  against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
+  what it measured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "machine_info",
     "median_windows",
     "rss_bytes",
+    "target",
     "thread_cpu_seconds",
     "write_json",
 ]
@@ -192,3 +194,10 @@ def thread_cpu_seconds() -> dict[str, float]:
         role = "main" if tid == main_id else "tier_io" if tid in workers else "other"
         out[role] += cpu
     return out
+
+
+def target(value: float | None, goal: float, at_most: bool = False) -> dict[str, Any]:
+    """A measured ``value`` against its ``goal`` (a floor, or a ceiling ``at_most``): ``met``
+    is None when nothing was measured."""
+    met = None if value is None else (value <= goal if at_most else value >= goal)
+    return {"value": value, "target": goal, "at_most": at_most, "met": met}

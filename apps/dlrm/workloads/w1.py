@@ -13,6 +13,7 @@ kernels, and a small dense part, so that the embedding path dominates the step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from collections.abc import Sequence
@@ -30,18 +31,25 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
+from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import (
     CRITEO_KAGGLE_NUM_EMBEDDINGS_PER_FEATURE,
     SyntheticCriteoDataset,
     SyntheticDataConfig,
 )
-from torchrec_mtrains.distributed import TieredEmbeddingBagCollectionSharder, TierStorage
+from torchrec_mtrains.distributed import (
+    TIERED_KERNEL,
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TieredTableOptions,
+    TierStorage,
+)
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.initializers import RowSeededUniform
 from torchrec_mtrains.planner import (
@@ -57,15 +65,20 @@ from torchrec_mtrains.tiers import OpenMode
 from torchrec_mtrains.types import Tier
 
 __all__ = [
+    "BatchStream",
     "Built",
     "W1Model",
     "Workload",
+    "big_tables",
     "build_fused",
     "build_tiered",
+    "build_tiered_on",
+    "build_uvm_cached",
     "fused_params",
     "fused_tbes",
     "probe_sizes",
     "shard",
+    "table_wise_plan",
     "tiered_groups",
     "tiered_plan",
     "w1_host",
@@ -74,6 +87,7 @@ __all__ = [
 LR = 0.05
 STATE_WIDTH = 1  # row-wise Adagrad: one float of state per row
 EBC_NAME = "ebc"
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,36 @@ class Built:
     mappings: list[mmap.mmap] = field(default_factory=list)
 
 
+class BatchStream:
+    """Batch ``i`` of the synthetic stream (a pure function of ``i``). Warm-up batches are made
+    when needed; the timed ones are made ahead by :meth:`prepare` (compact: int32 ids), so data
+    generation never runs inside a timed window."""
+
+    def __init__(self, wl: Workload, sizes: Sequence[int] | None = None) -> None:
+        self.ds = wl.dataset(sizes)
+        self._lengths = torch.ones(len(wl.sizes) * wl.batch_size, dtype=torch.int32)
+        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, first: int, count: int) -> None:
+        self._ready.clear()
+        for i in range(first, first + count):
+            b = self.ds.batch_at(i)
+            self._ready[i] = (
+                b.sparse_features.values().to(torch.int32),
+                b.dense_features,
+                b.labels,
+            )
+
+    def __getitem__(self, i: int) -> Batch:
+        if i not in self._ready:
+            return self.ds.batch_at(i)
+        values, dense, labels = self._ready[i]
+        kjt = KeyedJaggedTensor(
+            keys=self.ds.keys, values=values.to(torch.int64), lengths=self._lengths
+        )
+        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
 def fused_params() -> dict[str, Any]:
     """The optimizer every variant fuses into its kernels: row-wise Adagrad at :data:`LR`."""
     return {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR}
@@ -190,25 +234,20 @@ def shard(
     sizes: Sequence[int],
     sharder: EmbeddingBagCollectionSharder,
     plan: EmbeddingModuleShardingPlan | None,
+    device: torch.device = CPU,
 ) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     """A :class:`W1Model` over tables of ``sizes``, sharded on this rank by ``sharder`` with
-    ``plan`` (``None``: every table table-wise on FUSED), and its dense optimizer."""
+    ``plan`` (``None``: every table table-wise on FUSED), computing on ``device``, and its
+    dense optimizer."""
     configs = wl.configs(sizes)
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     torch.manual_seed(wl.seed)  # the dense part's weights: the same in every variant
     model = W1Model(ebc, wl.num_dense)
     if plan is None:
-        plan = construct_module_sharding_plan(
-            ebc,
-            {c.name: table_wise(rank=0, compute_kernel="fused") for c in configs},
-            sharder=sharder,
-            local_size=1,
-            world_size=1,
-            device_type="cpu",
-        )
+        plan = table_wise_plan(ebc, sharder, {c.name: "fused" for c in configs}, device)
     dmp = DistributedModelParallel(
         model,
-        device=torch.device("cpu"),
+        device=device,
         plan=ShardingPlan({EBC_NAME: plan}),
         sharders=[sharder],  # type: ignore[list-item]
     )
@@ -224,11 +263,102 @@ def probe_sizes(wl: Workload) -> list[int]:
     return [min(n, 1024) for n in wl.sizes]
 
 
-def build_fused(wl: Workload, sizes: Sequence[int] | None = None) -> Built:
-    """A (and the probe): TorchRec's own sharder and FUSED kernel, every table in DRAM."""
+def table_wise_plan(
+    ebc: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    kernels: dict[str, str],
+    device: torch.device,
+) -> EmbeddingModuleShardingPlan:
+    """Every table table-wise on this one rank, on the compute kernel ``kernels`` names."""
+    return construct_module_sharding_plan(
+        ebc,
+        {name: table_wise(rank=0, compute_kernel=kernel) for name, kernel in kernels.items()},
+        sharder=sharder,
+        local_size=1,
+        world_size=1,
+        device_type=device.type,
+    )
+
+
+def build_fused(
+    wl: Workload, sizes: Sequence[int] | None = None, device: torch.device = CPU
+) -> Built:
+    """A (and the probe): TorchRec's own sharder and FUSED kernel, every table in the memory of
+    ``device`` (DRAM on the CPU, HBM on a GPU)."""
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params())
-    model, dense = shard(wl, sizes or wl.sizes, sharder, None)
-    return Built(model, dense, plan_text="every table on TorchRec's FUSED kernel in DRAM")
+    model, dense = shard(wl, sizes or wl.sizes, sharder, None, device)
+    where = "DRAM" if device.type == "cpu" else "HBM"
+    return Built(model, dense, plan_text=f"every table on TorchRec's FUSED kernel in {where}")
+
+
+def big_tables(wl: Workload, min_rows: int) -> list[str]:
+    """The tables of at least ``min_rows`` rows: those a device cache fronts in U and ours."""
+    return [c.name for c in wl.configs() if c.num_embeddings >= min_rows]
+
+
+def build_uvm_cached(
+    wl: Workload, device: torch.device, cache_load_factor: float, min_rows: int
+) -> Built:
+    """U: TorchRec's FUSED_UVM_CACHING kernel on the tables of at least ``min_rows`` rows
+    (their rows in host memory mapped for the GPU, a cache of ``cache_load_factor`` of them in
+    HBM), every other table FUSED in HBM. CUDA only: fbgemm's UVM has no CPU path."""
+    if device.type != "cuda":
+        raise ValueError(f"FUSED_UVM_CACHING needs a CUDA device, not {device}")
+    big = set(big_tables(wl, min_rows))
+    # fbgemm counts its cache's unique ids and misses only when asked to.
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={**fused_params(), "gather_uvm_cache_stats": True}
+    )
+    ebc = EmbeddingBagCollection(tables=wl.configs(), device=torch.device("meta"))
+    kernels = {c.name: "fused_uvm_caching" if c.name in big else "fused" for c in wl.configs()}
+    plan = table_wise_plan(ebc, sharder, kernels, device)
+    # prefetch_pipeline: the cache is filled by TorchRec's PrefetchTrainPipelineSparseDist a
+    # batch ahead, so rows a batch in flight uses must not be evicted before it trains.
+    cache = CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True)
+    for name in big:
+        plan[name] = dataclasses.replace(plan[name], cache_params=cache)
+    model, dense = shard(wl, wl.sizes, sharder, plan, device)
+    text = (
+        f"{len(big)} tables of >= {min_rows:,} rows on FUSED_UVM_CACHING (cache load factor "
+        f"{cache_load_factor}), the others FUSED in HBM"
+    )
+    return Built(model, dense, plan_text=text, info={"cached_tables": sorted(big)})
+
+
+def build_tiered_on(
+    wl: Workload,
+    directory: Path,
+    tier: Tier,
+    cache_load_factor: float,
+    min_rows: int,
+    device: torch.device = CPU,
+) -> Built:
+    """Ours at U's device-cache budget: the tables of at least ``min_rows`` rows on ``tier``
+    behind a cache of ``cache_load_factor`` of their rows in the memory of ``device``, every
+    other table FUSED there; the stores opened with the ``local`` preset's options."""
+    big = set(big_tables(wl, min_rows))
+    storage = TierStorage(
+        root=str(directory),
+        tier_options=store_options(load_topology("local")),
+        open_mode=OpenMode.OPEN_OR_CREATE,
+    )
+    sharder = TieredEmbeddingBagCollectionSharder(
+        storage, offer_tiered_kernel=True, fused_params=fused_params()
+    )
+    ebc = EmbeddingBagCollection(tables=wl.configs(), device=torch.device("meta"))
+    kernels = {c.name: TIERED_KERNEL if c.name in big else "fused" for c in wl.configs()}
+    plan = table_wise_plan(ebc, sharder, kernels, device)
+    options = TieredTableOptions(tier=tier, cache_load_factor=cache_load_factor)
+    for name in big:
+        plan[name] = TieredParameterSharding.wrap(plan[name], options)
+    model, dense = shard(wl, wl.sizes, sharder, plan, device)
+    text = (
+        f"{len(big)} tables of >= {min_rows:,} rows on the {tier.value} tier behind a cache of "
+        f"{cache_load_factor} of their rows, the others FUSED"
+    )
+    info = {"cached_tables": sorted(big), "tier": tier.value}
+    files = [p for p in directory.rglob("*.rows")]
+    return Built(model, dense, files=files, plan_text=text, info=info)
 
 
 def fused_tbes(model: DistributedModelParallel) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
@@ -302,9 +432,10 @@ def build_tiered(
     lookahead: int,
     layout: str | None = None,
     smoke: bool = False,
+    device: torch.device = CPU,
 ) -> Built:
     """Ours: the tiered plan for the budget, its stores opened as the app opens them, with the
-    options of the host the planner costs (``store_options``)."""
+    options of the host the planner costs (``store_options``), computing on ``device``."""
     host = w1_host(budget_bytes, layout, smoke)
     storage = TierStorage(
         root=str(directory), tier_options=store_options(host), open_mode=OpenMode.OPEN_OR_CREATE
@@ -316,7 +447,7 @@ def build_tiered(
     assert host.block_scm is not None
     info["block_layout"] = host.block_scm.layout
     info["store_options"] = {k: str(v) for k, v in storage.tier_options.items()}
-    model, dense = shard(wl, wl.sizes, sharder, plan)
+    model, dense = shard(wl, wl.sizes, sharder, plan, device)
     files = [p for p in directory.rglob("*.rows")]
     return Built(model, dense, files=files, plan_text=text, info=info)
 
