@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One command for a GPU host, after ../shared/gpu/README.md's install (PYTHONPATH set as it
+# says): the CUDA tests, then benchmarks/gpu_bench.py in the time left, every result under
+# OUT_DIR. The tests get at most half of SECONDS; the benchmark stops launching variants when
+# its share runs out and reports the rest as not run.
+#
+#   bash benchmarks/gpu_check.sh SECONDS OUT_DIR [gpu_bench.py options...]
+#   bash benchmarks/gpu_check.sh 540 "$OUT"      # fits the device's 10 minutes a call
+set -u
+usage="usage: bash benchmarks/gpu_check.sh SECONDS OUT_DIR [gpu_bench.py options...]"
+limit=${1:?$usage}
+out=${2:?$usage}
+shift 2
+case $limit in '' | *[!0-9]*) echo "SECONDS must be a whole number, got '$limit'; $usage" >&2; exit 2 ;; esac
+py=${PYTHON:-python}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+start=$(date +%s)
+left() { echo $((limit - ($(date +%s) - start))); }
+
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+"$py" - >"$out/versions.txt" 2>&1 <<'PY'
+import fbgemm_gpu, torch, torchrec
+print("torch", torch.__version__, "fbgemm_gpu", fbgemm_gpu.__version__, "torchrec", torchrec.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU visible")
+PY
+cat "$out/versions.txt"
+
+timeout $((limit / 2)) "$py" -m pytest -m cuda -q -p no:cacheprovider \
+    --junitxml="$out/cuda_tests.xml" tests >"$out/cuda_tests.log" 2>&1
+tests=$?
+tail -n 5 "$out/cuda_tests.log"
+
+bench_s=$(($(left) - 20))  # room for the benchmark's report after its last variant
+timeout "$((bench_s + 15))" "$py" benchmarks/gpu_bench.py --out "$out/gpu.json" \
+    --time-limit "$bench_s" --dir "${GPU_CHECK_TMP:-/tmp}" "$@" >"$out/gpu_bench.log" 2>&1
+bench=$?
+sed -n '/^W1 on /,$p' "$out/gpu_bench.log"
+
+echo "cuda tests: exit $tests; gpu_bench: exit $bench; $(($(date +%s) - start)) s of $limit" |
+    tee "$out/summary.txt"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
