@@ -70,3 +70,17 @@ def test_a_row_digest_sees_every_row_and_not_the_files_order(tmp_path: Path, tie
         store.write_rows(np.array([123]), changed)
         store.flush()
     assert row_digest(paths[0]) != row_digest(paths[1])
+
+
+def test_the_disk_probe_reads_a_written_file_at_random_and_removes_it(tmp_path: Path) -> None:
+    from torchrec_mtrains.benchmark.disk import random_read_iops
+
+    r = random_read_iops(tmp_path, 4 << 20, 0.2, queue_depth=8)
+    assert r["source"] in ("fio", "aio") and float(r["iops"]) > 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_target_is_met_below_a_ceiling_or_above_a_floor_and_unknown_unmeasured() -> None:
+    assert measure.target(0.96, 0.95)["met"] is True
+    assert measure.target(30.0, 25.0, at_most=True)["met"] is False
+    assert measure.target(None, 25.0)["met"] is None

@@ -217,3 +217,37 @@ def test_gpu_bench_reports_no_figure_of_a_variant_that_trains_another_model(
     record = bench.launch(spec, tmp_path, timeout_s=200)
     assert record["ok"] is False and "samples_per_s" not in record
     assert "ours_dram: step 0 loss" in record["error"] and "trains another model" in record["error"]
+
+
+def test_u_puts_the_big_tables_on_torchrecs_uvm_caching_at_the_cache_load_factor() -> None:
+    """U's plan, made without a GPU: the tables of >= 1M rows (W1's five) on FUSED_UVM_CACHING
+    with the cache load factor and TorchRec's prefetch pipeline, the rest FUSED."""
+    from apps.dlrm.workloads import w1
+
+    wl = w1.Workload.full()
+    _, plan = w1.uvm_cached_plan(wl, 0.15, 1_000_000)
+    big = w1.big_tables(wl, 1_000_000)
+    assert len(big) == 5
+    for name, sharding in plan.items():
+        if name in big:
+            assert sharding.compute_kernel == "fused_uvm_caching"
+            assert sharding.cache_params is not None
+            assert sharding.cache_params.load_factor == 0.15
+            assert sharding.cache_params.prefetch_pipeline
+        else:
+            assert sharding.compute_kernel == "fused" and sharding.cache_params is None
+
+
+def test_tier_bench_smoke_with_skewed_write_backs_and_no_flush(tmp_path: Path) -> None:
+    """The write-back phase as training between checkpoints: Zipf ids, no flush until the
+    end; the log tier compacts (its file is bounded) and the CPU per batch is reported."""
+    out = tmp_path / "tiers.json"
+    args = ("--dir", str(tmp_path), "--tiers", "log_block_scm", "dram", "--rows", "20000")
+    args += ("--dim", "8", "--batch", "512", "--seconds", "0.3", "--flush-every", "0")
+    _run("tier_bench.py", *args, "--zipf", "1.1", "--max-space-amplification", "1.5", "--no-fio",
+         "--out", str(out))  # fmt: skip
+    r = json.loads(out.read_text())["tiers"]
+    for tier in ("log_block_scm", "dram"):
+        w = r[tier]["writeback"]
+        assert w["batches"] > 0 and w["cpu_ms_per_batch"] > 0 and w["rows_s"] > 0
+    assert r["log_block_scm"]["writeback"]["log"]["compacted_rows"] > 0

@@ -81,6 +81,7 @@ __all__ = [
     "table_wise_plan",
     "tiered_groups",
     "tiered_plan",
+    "uvm_cached_plan",
     "w1_host",
 ]
 
@@ -296,6 +297,26 @@ def big_tables(wl: Workload, min_rows: int) -> list[str]:
     return [c.name for c in wl.configs() if c.num_embeddings >= min_rows]
 
 
+def uvm_cached_plan(
+    wl: Workload, cache_load_factor: float, min_rows: int
+) -> tuple[EmbeddingBagCollectionSharder, EmbeddingModuleShardingPlan]:
+    """U's sharder and plan (see :func:`build_uvm_cached`); made without a GPU."""
+    big = set(big_tables(wl, min_rows))
+    # fbgemm counts its cache's unique ids and misses only when asked to.
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={**fused_params(), "gather_uvm_cache_stats": True}
+    )
+    ebc = EmbeddingBagCollection(tables=wl.configs(), device=torch.device("meta"))
+    kernels = {c.name: "fused_uvm_caching" if c.name in big else "fused" for c in wl.configs()}
+    plan = table_wise_plan(ebc, sharder, kernels, torch.device("cuda"))
+    # prefetch_pipeline: the cache is filled by TorchRec's PrefetchTrainPipelineSparseDist a
+    # batch ahead, so rows a batch in flight uses must not be evicted before it trains.
+    cache = CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True)
+    for name in big:
+        plan[name] = dataclasses.replace(plan[name], cache_params=cache)
+    return sharder, plan
+
+
 def build_uvm_cached(
     wl: Workload, device: torch.device, cache_load_factor: float, min_rows: int
 ) -> Built:
@@ -304,25 +325,14 @@ def build_uvm_cached(
     HBM), every other table FUSED in HBM. CUDA only: fbgemm's UVM has no CPU path."""
     if device.type != "cuda":
         raise ValueError(f"FUSED_UVM_CACHING needs a CUDA device, not {device}")
-    big = set(big_tables(wl, min_rows))
-    # fbgemm counts its cache's unique ids and misses only when asked to.
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={**fused_params(), "gather_uvm_cache_stats": True}
-    )
-    ebc = EmbeddingBagCollection(tables=wl.configs(), device=torch.device("meta"))
-    kernels = {c.name: "fused_uvm_caching" if c.name in big else "fused" for c in wl.configs()}
-    plan = table_wise_plan(ebc, sharder, kernels, device)
-    # prefetch_pipeline: the cache is filled by TorchRec's PrefetchTrainPipelineSparseDist a
-    # batch ahead, so rows a batch in flight uses must not be evicted before it trains.
-    cache = CacheParams(load_factor=cache_load_factor, prefetch_pipeline=True)
-    for name in big:
-        plan[name] = dataclasses.replace(plan[name], cache_params=cache)
+    sharder, plan = uvm_cached_plan(wl, cache_load_factor, min_rows)
     model, dense = shard(wl, wl.sizes, sharder, plan, device)
+    big = big_tables(wl, min_rows)
     text = (
         f"{len(big)} tables of >= {min_rows:,} rows on FUSED_UVM_CACHING (cache load factor "
         f"{cache_load_factor}), the others FUSED in HBM"
     )
-    return Built(model, dense, plan_text=text, info={"cached_tables": sorted(big)})
+    return Built(model, dense, plan_text=text, info={"cached_tables": big})
 
 
 def build_tiered_on(
