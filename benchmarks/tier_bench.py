@@ -9,7 +9,8 @@ tier's efficiency is its random single-row reads/s over that IOPS (target: >= 70
 
 A last phase replays a cache's write-back (W1: 260-byte rows with ``--dim 64 --state-width 1``):
 batches of ``--batch`` random rows are read, then written back changed, with a flush every
-``--flush-every`` batches (a checkpoint). Per batch it reports the block I/Os and bytes the
+``--flush-every`` batches (a checkpoint; 0: only at the end), drawn uniformly or Zipf(``--zipf``)
+distributed. Per batch it reports the block I/Os and bytes the
 medium saw (reads, writes, and for ``log_block_scm`` its compaction and checkpoints) and the
 rows written back per second: the block tier patches each row's block in place, the log tier
 appends the batch.
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 import torchrec_mtrains.tiers.log_block_scm  # noqa: F401  (registers the log tier)
+from apps.dlrm.data import ZipfRankSampler
 from torchrec_mtrains.benchmark.fio import run_fio
 from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store, resolve_options
 from torchrec_mtrains.types import RowLayout
@@ -83,32 +85,39 @@ def tier_options(tier: str, args: argparse.Namespace) -> dict[str, Any]:
 def writeback(
     store: RowStore, args: argparse.Namespace, rng: np.random.Generator
 ) -> dict[str, Any]:
-    """Batches of random rows read then written back changed, flushing every
-    ``--flush-every`` batches; the medium's I/O per batch and the rows written back per s."""
+    """Batches of random rows (uniform, or Zipf(``--zipf``) through a fixed permutation, as a
+    cache's evictions under skewed training) read then written back changed, flushing every
+    ``--flush-every`` batches (0: only at the end, as training between checkpoints); the
+    medium's I/O per batch, the rows written back per s and the CPU per batch."""
     block = int(getattr(store, "block_size", 0)) or 4096  # memory tiers: 4 KiB pages
     log_stats = getattr(store, "log_stats", None)
     before, log_before = store.stats.as_dict(), log_stats.as_dict() if log_stats else {}
+    sampler = ZipfRankSampler(args.rows, args.zipf)
+    row_of_rank = rng.permutation(args.rows)
     batches = 0
 
     def step() -> int:
         nonlocal batches
-        ids = np.unique(rng.integers(0, args.rows, args.batch))
+        ids = np.unique(row_of_rank[sampler.sample(rng, args.batch)])
         store.write_rows(ids, store.read_rows(ids) + 1.0)
         batches += 1
-        if batches % args.flush_every == 0:
+        if args.flush_every and batches % args.flush_every == 0:
             store.flush()
         return int(ids.size)
 
+    cpu0 = time.process_time()
     rows, spent = timed(args.seconds, step)
     t0 = time.perf_counter()
     store.flush()  # the last checkpoint is part of the work
     spent += time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     after = store.stats.as_dict()
     delta = {k: after[k] - before[k] for k in after}
     out: dict[str, Any] = {
         "batches": batches,
         "rows_per_batch": rows / batches,
         "rows_s": rows / spent,
+        "cpu_ms_per_batch": cpu / batches * 1e3,
         "block_bytes": block,
         "block_reads_per_batch": delta["bytes_read"] / block / batches,
         "block_writes_per_batch": delta["bytes_written"] / block / batches,
@@ -183,7 +192,7 @@ def print_writeback(r: dict[str, Any]) -> None:
         f"per batch {w['block_reads_per_batch']:8.1f} block reads, "
         f"{w['block_writes_per_batch']:8.1f} block writes ({w['block_bytes']} B), "
         f"{w['io_calls_per_batch']:8.1f} I/O calls, {w['mb_read_per_batch']:.2f} MB read, "
-        f"{w['mb_written_per_batch']:.2f} MB written"
+        f"{w['mb_written_per_batch']:.2f} MB written, {w['cpu_ms_per_batch']:.2f} ms of CPU"
     )
     if "log" in w:
         log = w["log"]
@@ -207,7 +216,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--engine", choices=["auto", "aio", "threads"], default="auto")
     parser.add_argument("--tiers", nargs="+", default=sorted(TIERS), choices=sorted(TIERS))
-    parser.add_argument("--flush-every", type=int, default=16, help="write-back batches")
+    parser.add_argument(
+        "--flush-every", type=int, default=16, help="write-back batches (0: at the end only)"
+    )
+    parser.add_argument(
+        "--zipf", type=float, default=0.0, help="write-back ids' Zipf exponent (0: uniform)"
+    )
     parser.add_argument("--max-space-amplification", type=float, default=2.0, help="log tier")
     parser.add_argument("--fio-seconds", type=int, default=10)
     parser.add_argument("--fio-size", default="2G")

@@ -824,15 +824,17 @@ class LogBlockSCMStore(RowStore, PassReader):
 
     def _make_room(self, count: int) -> None:
         """Frees segments until ``count`` rows fit with a segment to spare for compaction:
-        compacts segments written since the last flush (the others are pinned by it), or
-        grows the file past the bound when none has enough dead rows."""
-        need = count + self.geometry.segment_slots
+        compacts segments written since the last flush (the others are pinned by it), the
+        emptiest first and as many per scan of the index as one evacuation can take, or grows
+        the file past the bound when none has enough dead rows."""
+        ss = self.geometry.segment_slots
+        need = count + ss
         while (available := self._available()) < need:
-            victims = self._victims(pinned_ok=False)
-            if not victims.size or self._live[victims[0]] > available:
-                self._grow(-(-(need - available) // self.geometry.segment_slots))
+            victims = self._batch_of_victims(-(-(need - available) // ss), pinned_ok=False)
+            if not victims.size:
+                self._grow(-(-(need - available) // ss))
                 return
-            self._evacuate(victims[:1])
+            self._evacuate(victims)
 
     def _append(self, ids: IdArray, raw: U8Array) -> tuple[int, int]:
         """Writes ``raw`` rows as the next slots of the log, in one engine call, then points
@@ -1180,10 +1182,10 @@ class LogBlockSCMStore(RowStore, PassReader):
             moved = True
         return moved
 
-    def _batch_of_victims(self, short: int) -> I64Array:
-        """The emptiest victims that gain ``short`` free segments net, as many as
-        :meth:`_fitting` lets one evacuation take."""
-        victims = self._fitting(self._victims(pinned_ok=True))
+    def _batch_of_victims(self, short: int, pinned_ok: bool = True) -> I64Array:
+        """The emptiest victims (see :meth:`_victims`) that gain ``short`` free segments net,
+        as many as :meth:`_fitting` lets one evacuation take."""
+        victims = self._fitting(self._victims(pinned_ok))
         gained = np.arange(1, victims.size + 1) - np.cumsum(self._live[victims]) / (
             self.geometry.segment_slots
         )
