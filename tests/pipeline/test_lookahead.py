@@ -520,3 +520,92 @@ def test_tiered_kernel_runs_in_torchrec_prefetch_pipeline(tmp_path: Path) -> Non
     a, b = full_state(plain, plain_opt), full_state(model, optimizer)
     for key in a:
         torch.testing.assert_close(a[key].cpu(), b[key].cpu(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_prefetch_and_remap_on_cuda_never_block_the_host(tmp_path: Path, device: str) -> None:
+    """The tiered kernel's part of a look-ahead step on CUDA runs without a host sync: a
+    prefetched batch's ids reach the host by an asynchronous copy the tier worker waits for,
+    the worker's row copies wait on events of their own, and the forward's slot ids come from
+    pinned memory. torch's sync debug mode (process-wide) makes any synchronizing CUDA call an
+    error, on the training thread and on the worker alike. (On the CPU: the same calls give
+    the same slots.)"""
+    on_cuda = device == "cuda"
+    cuda = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    case = Case(depth=2, steps=12)
+    model = build(case, tmp_path, device=cuda)
+    group = big_group(model)
+    group.background_io = True
+    g = torch.Generator().manual_seed(0)
+
+    def ids() -> torch.Tensor:
+        parts = []
+        for table in group.feature_table_map:  # -1: a feature of a resident table
+            rows = group.shards[table].local_rows if table >= 0 else 1
+            parts.append(torch.randint(0, rows, (16,), generator=g))
+        return torch.cat(parts).to(cuda)
+
+    lengths = [16] * len(group.feature_table_map)
+    data = [ids() for _ in range(case.steps)]
+    slots = []
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for values in data[: case.depth]:
+            group.prefetch(values, lengths)
+        for i, values in enumerate(data):
+            slots.append(group.remap(values, lengths, train=True))
+            if i + case.depth < len(data):
+                group.prefetch(data[i + case.depth], lengths)
+    finally:
+        if on_cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+    counters = group.io_counters()
+    assert counters.prefetched_batches == case.steps and counters.unprefetched_batches == 0
+    # The last batch's rows are held: each id of a tiered table went to its row's slot.
+    last, got = data[-1].cpu(), slots[-1].cpu()
+    start = 0
+    for table in group.feature_table_map:
+        if table >= 0:
+            want = group.shards[table].cache.lookup(last[start : start + 16])
+            assert torch.equal(got[start : start + 16], want.to(got.dtype))
+        start += 16
+    group.stop_background_io()
+
+
+@pytest.mark.cuda
+def test_a_lookahead_step_on_cuda_syncs_the_host_only_in_the_bounds_check(
+    tmp_path: Path,
+) -> None:
+    """Whole steps of the look-ahead pipeline under sync debug mode ``warn``: of the
+    synchronizing calls in this project's code, only the bounds check's one per batch is left
+    (seen, which shows the warnings name where they happen); TorchRec's own are listed."""
+    import warnings
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    case = Case(depth=2, steps=10)
+    model = build(case, tmp_path, device=cuda)
+    optimizer = make_optimizer(case, model)
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        model, optimizer, cuda, lookahead=case.depth
+    )
+    it = iter(batches(case, 0))
+    for _ in range(3):  # warm up: tracing, first allocations, the worker's start
+        pipeline.progress(it)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(4):
+                pipeline.progress(it)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    pipeline.close()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    ours = [w for w in where if "torchrec_mtrains" in w]
+    assert any("id_bounds.py" in w for w in ours), where
+    assert [w for w in ours if "id_bounds.py" not in w] == [], where

@@ -56,6 +56,43 @@ class RowCopyStreams:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     @staticmethod
+    def to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """``values`` as int64 in host memory, and on CUDA the event that marks them there:
+        copied into pinned memory after the work enqueued on the current stream, without
+        blocking the host (wait for the event before reading them)."""
+        if values.device.type != "cuda":
+            return values.to(torch.int64), None
+        wide = values.to(torch.int64)
+        host = torch.empty(wide.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(wide, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(values.device))
+        return host, event
+
+    @staticmethod
+    def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in host memory once its producers on this thread's current stream have
+        run: on CUDA copied into pinned memory and waited for by its event, which blocks this
+        thread alone (a plain copy to pageable memory synchronizes the whole stream, which the
+        training thread's sync checks count)."""
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(tensor.device))
+        event.synchronize()
+        return host
+
+    @staticmethod
+    def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` (in host memory) on ``device``: on CUDA staged in pinned memory and
+        copied on this thread's current stream without blocking the host."""
+        if device.type != "cuda":
+            return tensor.to(device)
+        return tensor.pin_memory().to(device, non_blocking=True)
+
+    @staticmethod
     def synchronize(event: torch.cuda.Event | None) -> None:
         """Blocks the host until ``event`` has happened."""
         if event is not None:

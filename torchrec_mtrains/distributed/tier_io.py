@@ -155,18 +155,18 @@ class TierIOWorker:
     @staticmethod
     def gather(shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
         """The cached rows in ``slots`` as tier rows: weights, then each optimizer state."""
-        dev_slots = slots.to(shard.weight_slots.device)
+        dev_slots = RowCopyStreams.device_copy(slots, shard.weight_slots.device)
         parts = [shard.weight_slots.index_select(0, dev_slots)]
         parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
-        rows = torch.cat([p.to(HOST, torch.float32) for p in parts], dim=1)
-        return rows.numpy()
+        rows = torch.cat([p.to(torch.float32) for p in parts], dim=1)
+        return RowCopyStreams.host_copy(rows).numpy()
 
     @staticmethod
     def scatter(shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Puts tier ``rows`` into the cache's ``slots`` (weights and optimizer states)."""
         device = shard.weight_slots.device
-        dev_slots = slots.to(device)
-        rows = rows.to(device)
+        dev_slots = RowCopyStreams.device_copy(slots, device)
+        rows = RowCopyStreams.device_copy(rows, device)
         cols = shard.cols
         shard.weight_slots.index_copy_(0, dev_slots, rows[:, :cols].to(shard.weight_slots.dtype))
         start = cols

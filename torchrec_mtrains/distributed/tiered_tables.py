@@ -28,6 +28,7 @@ from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
+from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.options import (
     TieredTableOptions,
     TierStorage,
@@ -87,16 +88,40 @@ class _PlannedBatch:
 
     values: torch.Tensor
     lengths: list[int]
-    segments: list[torch.Tensor]
-    per_table: list[list[int]]
-    table_ids: list[torch.Tensor]
+    # Set once its ids are on the host and checked (see TieredTableGroup._split).
+    segments: list[torch.Tensor] = field(default_factory=list)
+    per_table: list[list[int]] = field(default_factory=list)
+    table_ids: list[torch.Tensor] = field(default_factory=list)
     inverses: list[torch.Tensor] = field(default_factory=list)
     plans: list[CachePlan] = field(default_factory=list)  # empty until planned
+    # The batch's ids with each tiered table's replaced by its slot (host memory, pinned when
+    # the batch is on CUDA): what its forward hands fbgemm. None for a batch without ids.
+    remapped: torch.Tensor | None = None
     io: Future[object] | None = None
-    # CUDA only (see copy_streams): the slot releases its copies must follow, and the end of
-    # its copies, which its forward waits for.
+    # An id out of its table's range, found on the worker: the batch raises it in its forward.
+    id_error: TableIdError | None = None
+    # CUDA only (see copy_streams): the asynchronous copy of its ids to the host, the slot
+    # releases its copies must follow, and the end of its copies, which its forward waits for.
+    host_ids: torch.Tensor | None = None
+    ids_ready: torch.cuda.Event | None = None
     after_release: torch.cuda.Event | None = None
     rows_ready: torch.cuda.Event | None = None
+
+
+def _same_ids(held: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether ``given`` holds the ids of ``held``, a prefetched batch's (which keeps their
+    memory alive): the same memory, as when the pipeline hands a forward the very tensors it
+    prefetched, or else equal values (comparing values on CUDA blocks the host until the GPU
+    has produced them: only a caller whose forwards do not present the prefetched tensors
+    pays for it)."""
+    same_memory = (
+        held.device == given.device
+        and held.dtype == given.dtype
+        and held.shape == given.shape
+        and held.stride() == given.stride()
+        and held.data_ptr() == given.data_ptr()
+    )
+    return same_memory or torch.equal(held, given.to(held.device))
 
 
 def _split_states(
@@ -221,14 +246,11 @@ class TieredTableGroup:
 
     # --------------------------------------------------------------------------- per batch
 
-    def _split(
-        self, values: torch.Tensor, lengths_per_feature: list[int]
-    ) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
-        """Splits a batch's ids by feature and by table, checking every id against its table.
-
-        Returns ``(segments per feature, feature indices per table, ids per table)``."""
-        ids = values.to(HOST, torch.int64)
-        segments = list(torch.split(ids, lengths_per_feature))
+    def _split(self, batch: _PlannedBatch, ids: torch.Tensor) -> None:
+        """Splits a batch's ids (int64, in host memory) by feature and by table into
+        ``batch.segments``, ``batch.per_table`` and ``batch.table_ids``, checking every id
+        against its table (raises :class:`TableIdError` naming the first one out of range)."""
+        segments = list(torch.split(ids, batch.lengths))
         per_table: list[list[int]] = [[] for _ in self.shards]
         for feature, table_idx in enumerate(self.feature_table_map):
             if table_idx >= 0:  # -1: a table outside the group (its ids pass through)
@@ -246,15 +268,24 @@ class TieredTableGroup:
                         f"[0, {shard.local_rows}) of this shard; nothing was written"
                     )
             table_ids.append(t_ids)
-        return segments, per_table, table_ids
+        batch.segments, batch.per_table, batch.table_ids = segments, per_table, table_ids
 
     def _plan_batch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> _PlannedBatch:
         """Checks one batch's ids, then plans it on every table (holding its slots) and moves
         its rows in. With background I/O both the planning and the I/O run on the worker, so
-        the training thread only checks ids; otherwise everything runs here."""
+        the training thread only checks ids; otherwise everything runs here.
+
+        Ids on CUDA, with background I/O, are not even checked here: reading them would block
+        the host until the GPU has produced them. They go to the host by an asynchronous copy
+        the worker waits for, and the worker checks them; an id out of range then raises in the
+        batch's forward, before its lookup, and nothing of the batch is read or written."""
         self._check_no_reported_error()
-        segments, per_table, table_ids = self._split(values, lengths_per_feature)
-        batch = _PlannedBatch(values, list(lengths_per_feature), segments, per_table, table_ids)
+        batch = _PlannedBatch(values, list(lengths_per_feature))
+        if self.io.background and values.device.type == "cuda":
+            batch.host_ids, batch.ids_ready = RowCopyStreams.to_host(values)
+            batch.io = self.io.submit(self._check_plan_and_move, batch)
+            return batch
+        self._split(batch, values.to(HOST, torch.int64))
         if self.io.background:
             batch.io = self.io.submit(self._plan_and_move, batch)
             return batch
@@ -288,10 +319,38 @@ class TieredTableGroup:
             batch.after_release = self._released
         batch.inverses = [inverse for _, inverse in uniques]
         batch.plans = plans
+        batch.remapped = self._remapped(batch)
         self.io.count(
             rows_fetched=sum(int(p.load_ids.numel()) for p in plans),
             rows_written_back=sum(int(p.evict_dirty.sum()) for p in plans),
         )
+
+    @staticmethod
+    def _remapped(batch: _PlannedBatch) -> torch.Tensor | None:
+        """The batch's ids with its tiered tables' replaced by their slots, in host memory
+        (pinned for a batch on CUDA, so that its forward copies them without a host sync)."""
+        out: list[torch.Tensor] = list(batch.segments)
+        if not out:
+            return None
+        for plan, inverse, features in zip(batch.plans, batch.inverses, batch.per_table):
+            slots = plan.slots[inverse]
+            for f, part in zip(features, torch.split(slots, [batch.lengths[f] for f in features])):
+                out[f] = part
+        remapped = torch.cat(out)
+        return remapped.pin_memory() if batch.values.device.type == "cuda" else remapped
+
+    def _check_plan_and_move(self, batch: _PlannedBatch) -> None:
+        """The worker's part of a prefetch whose ids were on CUDA: once their copy has reached
+        the host, check them (an id out of range is kept for the batch's forward to raise),
+        then plan and move as :meth:`_plan_and_move`."""
+        RowCopyStreams.synchronize(batch.ids_ready)
+        assert batch.host_ids is not None
+        try:
+            self._split(batch, batch.host_ids)
+        except TableIdError as e:
+            batch.id_error = e
+            return
+        self._plan_and_move(batch)
 
     def _plan_and_move(self, batch: _PlannedBatch) -> None:
         """The worker's part of a prefetch: plan, then write back and read (in FIFO order with
@@ -351,6 +410,8 @@ class TieredTableGroup:
             raise
         finally:
             self.io.count(stall_seconds=time.perf_counter() - started)
+        if batch.id_error is not None:
+            raise batch.id_error  # found on the worker: nothing of the batch was planned
         self.io.copies.wait(batch.rows_ready)
         self._in_flight = batch
         self._awaiting_backward = train
@@ -364,14 +425,10 @@ class TieredTableGroup:
                 for table in self.resident:
                     for f in table.features:
                         table.changed[batch.segments[f]] = True
-        out_segments: list[torch.Tensor] = list(batch.segments)
-        for plan, inverse, features in zip(batch.plans, batch.inverses, batch.per_table):
-            slots = plan.slots[inverse]
-            for f, part in zip(
-                features, torch.split(slots, [lengths_per_feature[f] for f in features])
-            ):
-                out_segments[f] = part
-        return torch.cat(out_segments).to(values.device) if out_segments else values
+        if batch.remapped is None:
+            return values
+        # From pinned memory on CUDA: enqueued on the training stream, no host sync.
+        return batch.remapped.to(values.device, non_blocking=True)
 
     def backward_started(self, grad: torch.Tensor) -> None:
         """Gradient hook on the kernel's output: the fused backward is about to update the
@@ -384,9 +441,7 @@ class TieredTableGroup:
         if not self._pending:
             return None
         head = self._pending[0]
-        if head.lengths != list(lengths_per_feature) or not torch.equal(
-            head.values, values.to(head.values.device)
-        ):
+        if head.lengths != list(lengths_per_feature) or not _same_ids(head.values, values):
             logger.warning(
                 "forward ids differ from the next prefetched batch; planning them now "
                 "(prefetch batches in the order they run)"
