@@ -609,3 +609,24 @@ def test_a_lookahead_step_on_cuda_syncs_the_host_only_in_the_bounds_check(
     ours = [w for w in where if "torchrec_mtrains" in w]
     assert any("id_bounds.py" in w for w in ours), where
     assert [w for w in ours if "id_bounds.py" not in w] == [], where
+
+
+@pytest.mark.cuda
+def test_an_id_out_of_range_on_cuda_raises_in_its_batchs_forward(tmp_path: Path) -> None:
+    """On CUDA the worker checks a prefetched batch's ids once they reach the host: an id past
+    its table raises in that batch's forward (remap), naming the table, and nothing of the
+    batch was planned."""
+    from torchrec_mtrains.distributed.tiered_tables import TableIdError
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    model = build(Case(depth=1, steps=2), tmp_path, device=cuda)
+    group = big_group(model)
+    group.background_io = True
+    rows = group.shards[0].local_rows
+    lengths = [1 if table == 0 else 0 for table in group.feature_table_map]
+    values = torch.tensor([rows + 5], device=cuda)
+    group.prefetch(values, lengths)  # returns at once: the ids are still on their way
+    with pytest.raises(TableIdError, match=rf"table 'big'.*row id {rows + 5}\b"):
+        group.remap(values, lengths, train=True)
+    assert int(group.shards[0].cache.holds.sum()) == 0
+    group.stop_background_io()
