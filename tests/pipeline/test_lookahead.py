@@ -623,7 +623,8 @@ def test_an_id_out_of_range_on_cuda_raises_in_its_batchs_forward(tmp_path: Path)
     group = big_group(model)
     group.background_io = True
     rows = group.shards[0].local_rows
-    lengths = [1 if table == 0 else 0 for table in group.feature_table_map]
+    first = list(group.feature_table_map).index(0)  # the first feature of table big
+    lengths = [int(f == first) for f in range(len(group.feature_table_map))]
     values = torch.tensor([rows + 5], device=cuda)
     group.prefetch(values, lengths)  # returns at once: the ids are still on their way
     with pytest.raises(TableIdError, match=rf"table 'big'.*row id {rows + 5}\b"):
