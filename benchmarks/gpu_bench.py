@@ -148,7 +148,7 @@ def _uvm_cache_stats(built: Built) -> torch.Tensor | None:
     stats = [
         tbe.get_uvm_cache_stats().detach().to("cpu", torch.float64)
         for tbe in fused_tbes(built.model)
-        if getattr(tbe, "gather_uvm_cache_stats", False) and tbe.cache_size > 0
+        if getattr(tbe, "gather_uvm_cache_stats", False) and tbe.lxu_cache_weights.numel() > 0
     ]
     return torch.stack(stats).sum(0) if stats else None
 

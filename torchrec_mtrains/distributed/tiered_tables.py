@@ -375,8 +375,10 @@ class TieredTableGroup:
         background (cDLRM's look-ahead). Its rows stay resident until the batch has run; the
         forward that presents the same ids uses them without waiting for the tier.
 
-        Prefetches are consumed in order. Ids are checked here (a bad id raises now); planning
-        and I/O run on one worker thread, in submission order, so a row written back is always
+        Prefetches are consumed in order. Ids are checked here (a bad id raises now), except
+        ids on CUDA, which the worker checks once they reach the host without blocking this
+        thread (a bad one raises in the batch's forward); planning and I/O run on one worker
+        thread, in submission order, so a row written back is always
         on the tier before it can be read again, and a batch that does not fit the cache
         raises in its own forward."""
         self._pending.append(self._plan_batch(values, lengths_per_feature))
