@@ -427,8 +427,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; expected {', '.join(VARIANTS)}")
-    if "A" not in variants:
-        variants.insert(0, "A")  # every variant's losses are checked against A's
+    # A first, always: every other variant's losses are checked against A's.
+    variants = [v for v in VARIANTS if v in variants or v == "A"]
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     work = Path(tempfile.mkdtemp(prefix="gpu_bench_", dir=base))
     results: dict[str, Any] = {
