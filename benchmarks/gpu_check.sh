@@ -12,7 +12,7 @@ limit=${1:?$usage}
 out=${2:?$usage}
 shift 2
 case $limit in '' | *[!0-9]*) echo "SECONDS must be a whole number, got '$limit'; $usage" >&2; exit 2 ;; esac
-py=${PYTHON:-python}
+py=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 start=$(date +%s)
