@@ -485,10 +485,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Summary, JSON and the printed table, then the PNG: the figures are kept whatever the
+    plot does."""
     results["summary"] = summarize(results)
     write_json(out, results)
-    plot(results, out.with_suffix(".png"))
     print_summary(results)
+    plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
     return results
 
