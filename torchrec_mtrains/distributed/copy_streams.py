@@ -62,12 +62,7 @@ class RowCopyStreams:
         blocking the host (wait for the event before reading them)."""
         if values.device.type != "cuda":
             return values.to(torch.int64), None
-        wide = values.to(torch.int64)
-        host = torch.empty(wide.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(wide, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(values.device))
-        return host, event
+        return RowCopyStreams._to_pinned(values.to(torch.int64))
 
     @staticmethod
     def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,12 +72,19 @@ class RowCopyStreams:
         training thread's sync checks count)."""
         if tensor.device.type != "cuda":
             return tensor
+        host, event = RowCopyStreams._to_pinned(tensor)
+        event.synchronize()
+        return host
+
+    @staticmethod
+    def _to_pinned(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A copy of the CUDA ``tensor`` into pinned host memory, enqueued on the current
+        stream, and the event that marks it done."""
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(tensor.device))
-        event.synchronize()
-        return host
+        return host, event
 
     @staticmethod
     def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
