@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 REQS ?= requirements/cpu.txt
 TORCHREC ?= 1.8.0
+# pytest-xdist workers: one per CPU; PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= auto
 STAMP := $(VENV)/.installed-stamp
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
@@ -31,7 +33,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
