@@ -25,6 +25,7 @@ from torchrec.metrics.metrics_config import (
 )
 
 from apps.dlrm.errors import ConfigError
+from torchrec_mtrains.distributed import HostBoundsCheck
 from torchrec_mtrains.pipeline import TierSnapshot, snapshot, tier_stats, tiered_groups
 from torchrec_mtrains.types import Tier
 
@@ -176,10 +177,11 @@ def evaluate(
     # [samples, clicks], on the device so that a GPU run never waits for a count.
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     count = 0
+    host_check = HostBoundsCheck(model)  # ids checked before the copy: no device sync
     model.eval()
     try:
         for batch in batches:
-            _, (_, logits, labels) = model(batch.to(device, non_blocking=True))
+            _, (_, logits, labels) = model(host_check.to_device(batch, device))
             update_metrics(module, logits, labels)
             counts[0] += labels.numel()
             counts[1] += labels.sum()

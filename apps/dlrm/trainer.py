@@ -86,7 +86,7 @@ from apps.dlrm.report import (
     summary,
 )
 from apps.dlrm.run_files import PLAN_FILE, tier_dir, tier_files
-from torchrec_mtrains.distributed import TieredParameterSharding
+from torchrec_mtrains.distributed import HostBoundsCheck, TieredParameterSharding
 from torchrec_mtrains.distributed.incremental import track_changes
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.types import Tier
@@ -576,8 +576,10 @@ def _plain_step(
     when its forward needs them. Returns ``(loss, logits, labels)``; raises StopIteration at
     the end of the data."""
 
+    host_check = HostBoundsCheck(model)  # ids checked before the copy: no device sync
+
     def step() -> tuple[float, torch.Tensor, torch.Tensor]:
-        batch = next(batches).to(device, non_blocking=True)
+        batch = host_check.to_device(next(batches), device)
         optimizer.zero_grad()
         loss, (_, logits, labels) = model(batch)
         loss.backward()

@@ -13,6 +13,7 @@ sharders on FUSED kernels.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -30,12 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from torchrec.datasets.utils import Batch as TorchrecBatch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
+from torchrec_mtrains.distributed.id_bounds import HostBoundsCheck, OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -428,6 +430,93 @@ def test_warn_keeps_a_variable_batch_per_feature(tmp_path: Path) -> None:
         out.values().square().sum().backward()
     for key, value in plain.state_dict().items():
         assert torch.equal(h.regions(value)[0][2], h.regions(warn.state_dict()[key])[0][2]), key
+
+
+# ------------------------------------------------------------------- the host's check
+
+
+def test_a_batch_checked_on_the_host_is_let_in_unchecked_once(tmp_path: Path) -> None:
+    """HostBoundsCheck checks the batch before its copy and vouches for the copy: the module
+    lets that copy in without a check of its own (on a GPU: no host sync), once; a batch
+    built from it (new values) is checked as usual."""
+    case = h.ParityCase("ebc", "adagrad", "table_wise", "byte_scm", "mid")
+    ref, tie = _models(case, 1, tmp_path)
+    check = tie.module.id_bounds_check()
+    host = HostBoundsCheck(tie)
+    kjt = h.make_kjt(h.batch_ids(0, 0, 0))
+    copy = host.to_device(kjt, h.CPU)
+    tie(copy)
+    assert (check.vouched_batches, check.checked_batches) == (1, 0)
+    tie(copy)  # a vouch is spent by the batch it was for
+    assert (check.vouched_batches, check.checked_batches) == (1, 1)
+    rebuilt = KeyedJaggedTensor(
+        keys=copy.keys(), values=copy.values().clone(), lengths=copy.lengths()
+    )
+    host.vouch(host.check(kjt), copy)
+    tie(rebuilt)
+    assert (check.vouched_batches, check.checked_batches) == (1, 2)
+    # A vouch for a batch that never runs is forgotten with it (on the CPU the copy shares
+    # the host batch's values).
+    del copy, kjt
+    gc.collect()
+    assert check._vouched == {}
+    # Trained as TorchRec's kernel does, vouched or not.
+    for model in (ref, tie):
+        for step in range(1, 4):
+            batch = h.make_kjt(h.batch_ids(0, 0, step))
+            batch = host.to_device(batch, h.CPU) if model is tie else batch
+            h.loss_of(h.per_feature("ebc", model(batch))).backward()
+    assert check.vouched_batches == 4
+    diffs = h.compare(ref, tie)
+    assert max(diffs.values()) <= h.TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("bounds_check", list(BoundsCheck))
+def test_a_batch_the_host_check_refuses_meets_the_modules_own(
+    bounds_check: BoundsCheck, tmp_path: Path
+) -> None:
+    """An out-of-range id is not vouched for: the module checks the batch itself and raises
+    (ERROR) or looks up row 0 (WARN) exactly as without the host check."""
+    case = h.ParityCase("ebc", "sgd", "table_wise", "dram", "full")
+    tie = _tiered_model(case, 1, tmp_path, bounds_check)
+    check = tie.module.id_bounds_check()
+    host = HostBoundsCheck(tie)
+    batch = _with_ids(h.batch_ids(0, 0, 0), "f1", 96)
+    assert host.check(h.make_kjt(batch)) == []
+    copy = host.to_device(h.make_kjt(batch), h.CPU)
+    if bounds_check is BoundsCheck.ERROR:
+        with pytest.raises(OutOfRangeIdError, match=r"table 't_tier': row id 96 \(feature 'f1'\)"):
+            tie(copy)
+    else:
+        tie(copy)
+        assert tie.module.out_of_range_ids() == {h.TIERED_TABLE: 1}
+    assert (check.vouched_batches, check.checked_batches) == (0, 1)
+
+
+def test_the_host_check_finds_sparse_features_wherever_a_batch_holds_them(
+    tmp_path: Path,
+) -> None:
+    """A torchrec Batch, a dict and a tuple: each KeyedJaggedTensor on the host is checked
+    and its copy vouched for; one already on another device is left to the module."""
+    case = h.ParityCase("ebc", "sgd", "table_wise", "dram", "full")
+    tie = _tiered_model(case, 1, tmp_path)
+    check = tie.module.id_bounds_check()
+    host = HostBoundsCheck(tie)
+    good = h.make_kjt(h.batch_ids(0, 0, 0))
+    bad = h.make_kjt(_with_ids(h.batch_ids(0, 0, 1), "f2", 40))
+    batch = TorchrecBatch(
+        dense_features=torch.zeros(1), sparse_features=good, labels=torch.zeros(1)
+    )
+    assert host.check(batch) == [(check, 0)]
+    assert host.check({"a": bad, "b": (torch.zeros(1), [good])}) == [(check, 1)]
+    meta = KeyedJaggedTensor(
+        keys=["f2"],
+        values=torch.zeros(1, dtype=torch.int64, device="meta"),
+        lengths=torch.ones(1, dtype=torch.int64, device="meta"),
+    )
+    assert host.check(meta) == []
+    assert host.check(torch.zeros(3)) == []
+    assert HostBoundsCheck(torch.nn.Linear(1, 1)).check(good) == []
 
 
 # ------------------------------------------------------------------------ world size 2

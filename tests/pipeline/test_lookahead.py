@@ -3,6 +3,7 @@ resident and never stale, per-step numbers, worker errors and Ctrl-C shut it dow
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from lookahead_harness import (
+    ROWS,
     Case,
     batches,
     build,
@@ -30,7 +32,10 @@ from lookahead_harness import (
 )
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import torchrec_mtrains
+from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, StepStats
 
@@ -396,6 +401,45 @@ def test_worker_error_surfaces_with_its_traceback_and_shuts_down(tmp_path: Path)
     finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
 
 
+def with_bad_id(batch: Batch, row_id: int) -> Batch:
+    """``batch`` with its first id (feature ``f_big``) replaced by ``row_id``."""
+    sparse = batch.sparse_features
+    values = sparse.values().clone()
+    values[0] = row_id
+    features = KeyedJaggedTensor(keys=sparse.keys(), values=values, lengths=sparse.lengths())
+    return Batch(batch.dense_features, features, batch.labels)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_ids_are_checked_on_the_host_and_a_bad_one_still_stops_in_its_module(
+    tmp_path: Path, device: str
+) -> None:
+    """The pipeline checks each batch's ids before copying it to the device: the sharded
+    module lets the good ones in on that word (on a GPU its own check would wait for the
+    device). The batch with an id past ``big`` is not vouched for: the module checks it and
+    raises, naming the table, when the batch is input-distributed (``k`` steps ahead), with
+    nothing of it written: the tiers hold what the plain loop's hold after the same batches."""
+    case = Case(depth=2, steps=10)
+    data = batches(case, 0)
+    bad = 5
+    fed = [*data[:bad], with_bad_id(data[bad], ROWS["big"]), *data[bad + 1 :]]
+    target = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
+    model = build(case, tmp_path / "ahead", device=target)
+    optimizer = make_optimizer(case, model)
+    (check,) = [m.id_bounds_check() for m in model.modules() if hasattr(m, "id_bounds_check")]
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        model, optimizer, target or torch.device("cpu"), lookahead=case.depth
+    )
+    done, info = run_until_error(pipeline, iter(fed))
+    assert info.type is OutOfRangeIdError, info
+    assert re.search(rf"table 'big': row id {ROWS['big']} \(feature 'f_big'\)", str(info.value))
+    assert done == bad - case.depth
+    assert (check.vouched_batches, check.checked_batches) == (bad, 1)
+    assert_clean_shutdown(model)
+    if target is None:
+        finish_plainly_and_compare(tmp_path, case, model, optimizer, data, done)
+
+
 class Interrupt:
     """Raises KeyboardInterrupt (as Ctrl-C would) at the ``at``-th call, noting whether tier
     I/O was still queued or running at that moment."""
@@ -576,18 +620,20 @@ def test_prefetch_and_remap_on_cuda_never_block_the_host(tmp_path: Path, device:
 
 
 @pytest.mark.cuda
-def test_a_lookahead_step_on_cuda_syncs_the_host_only_in_the_bounds_check(
+def test_a_lookahead_step_on_cuda_never_syncs_the_host_in_this_projects_code(
     tmp_path: Path,
 ) -> None:
-    """Whole steps of the look-ahead pipeline under sync debug mode ``warn``: of the
-    synchronizing calls in this project's code, only the bounds check's one per batch is left
-    (seen, which shows the warnings name where they happen); TorchRec's own are listed."""
+    """Whole steps of the look-ahead pipeline under sync debug mode ``warn``: no synchronizing
+    call is left in this project's code (the bounds check reads ids on the host, before the
+    copy); TorchRec's own are listed. A sync made here on purpose must be seen, which shows
+    the warnings name where they happen."""
     import warnings
 
     cuda = torch.device("cuda", torch.cuda.current_device())
     case = Case(depth=2, steps=10)
     model = build(case, tmp_path, device=cuda)
     optimizer = make_optimizer(case, model)
+    (check,) = [m.id_bounds_check() for m in model.modules() if hasattr(m, "id_bounds_check")]
     pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
         model, optimizer, cuda, lookahead=case.depth
     )
@@ -601,14 +647,17 @@ def test_a_lookahead_step_on_cuda_syncs_the_host_only_in_the_bounds_check(
         try:
             for _ in range(4):
                 pipeline.progress(it)
+            torch.ones(1, device=cuda).item()  # the control: a sync in this file
         finally:
             torch.cuda.set_sync_debug_mode("default")
     pipeline.close()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     where = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
-    ours = [w for w in where if "torchrec_mtrains" in w]
-    assert any("id_bounds.py" in w for w in ours), where
-    assert [w for w in ours if "id_bounds.py" not in w] == [], where
+    assert any(w.startswith(__file__) for w in where), where
+    package = str(Path(torchrec_mtrains.__file__).parent)
+    ours = [w for w in where if w.startswith(package)]
+    assert ours == [], where
+    assert check.checked_batches == 0 and check.vouched_batches == 3 + 4 + case.depth
 
 
 @pytest.mark.cuda

@@ -1,6 +1,6 @@
 """The TorchRec plugin: tiered kernels, grouped lookups, sharded modules and sharders."""
 
-from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
+from torchrec_mtrains.distributed.id_bounds import HostBoundsCheck, OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     BoundsCheck,
@@ -17,6 +17,7 @@ from torchrec_mtrains.distributed.tiered_tables import TableIdError
 __all__ = [
     "TIERED_KERNEL",
     "BoundsCheck",
+    "HostBoundsCheck",
     "OutOfRangeIdError",
     "TableIdError",
     "TierStorage",

@@ -4,16 +4,24 @@ input distribution, for every table it holds (TorchRec's kernels and the tiered 
 fbgemm checks ids inside each TBE, after the input distribution and per kernel; a tiered table
 plans, loads and writes rows on the host before its TBE runs, so an id past its table must be
 caught earlier, while ids are still global whatever the sharding. :class:`IdBoundsCheck` does
-it with one min/max per feature and one host sync per batch, and works out the details only for
-a batch that fails.
+it with one min/max per feature and works out the details only for a batch that fails.
+
+On an accelerator that check would wait for the device once a batch (its verdict decides
+whether the batch may go on). :class:`HostBoundsCheck` avoids that: a pipeline checks each batch
+while it is still on the host, before copying it to the device, and vouches for the copy, which
+the module then lets in unchecked. A batch that fails on the host is not vouched for; the
+module checks it again on the device and raises (or replaces its ids) exactly where it would
+have, so the host check changes when ids are read, never what a batch does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -22,7 +30,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.tiered_tables import TableIdError
 
-__all__ = ["IdBoundsCheck", "OutOfRangeIdError"]
+__all__ = ["HostBoundsCheck", "IdBoundsCheck", "OutOfRangeIdError"]
+
+B = TypeVar("B")
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -79,6 +89,31 @@ class IdBoundsCheck:
         self._bounds: dict[tuple[tuple[str, ...], torch.device], Any] = {}
         self._out_of_range: Counter[str] = Counter()
         self._out_of_range_batches: Counter[str] = Counter()
+        # id(values) -> the values of a batch a host check vouched for (see vouch()).
+        self._vouched: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: Batches let in on a host check's word (:meth:`vouch`), and batches checked here.
+        self.vouched_batches = 0
+        self.checked_batches = 0
+
+    def passes(self, features: KeyedJaggedTensor) -> bool:
+        """Whether every id of ``features`` lies in its table (keys no table reads aside),
+        with nothing raised, counted or logged: the host half of :class:`HostBoundsCheck`."""
+        values = features.values()
+        return not values.numel() or not self._bad_keys(features)
+
+    def vouch(self, features: KeyedJaggedTensor) -> None:
+        """Lets ``features`` in unchecked the next time it enters the module: its ids were
+        found in range (:meth:`passes`) in the host batch it was copied from. Keyed by the
+        identity of its values tensor, held weakly: a batch the model transforms before the
+        module (new values) is checked as usual, and a batch never run is forgotten."""
+        values = features.values()
+        key = id(values)
+        vouched = self._vouched
+        vouched[key] = weakref.ref(values, lambda _: vouched.pop(key, None))
+
+    def _take_vouched(self, values: torch.Tensor) -> bool:
+        ref = self._vouched.pop(id(values), None)
+        return ref is not None and ref() is values
 
     def apply(self, features: Any) -> Any:
         """Applies the check to a batch entering the module, for every table
@@ -87,8 +122,9 @@ class IdBoundsCheck:
 
         Runs before the input distribution, where ids are still global whatever the sharding
         (table-, row- or column-wise), so a refused batch reaches no kernel: no table plans,
-        loads, trains or writes anything. The check is one min/max per feature and one host
-        sync per batch; the details are worked out only for a batch that fails it.
+        loads, trains or writes anything. The check is one min/max per feature (on a device,
+        one host sync per batch, unless a host check vouched for the batch: :meth:`vouch`);
+        the details are worked out only for a batch that fails it.
 
         Raises:
             OutOfRangeIdError: with ``ERROR``, naming the table, the feature, the id and the
@@ -97,27 +133,18 @@ class IdBoundsCheck:
         if not isinstance(features, KeyedJaggedTensor):
             return features
         values = features.values()
+        if self._take_vouched(values):
+            self.vouched_batches += 1
+            return features
         if not values.numel():
+            return features
+        self.checked_batches += 1
+        bad_keys = self._bad_keys(features)
+        if not bad_keys:
             return features
         keys = features.keys()
         rows, names = self._row_bounds(keys, values.device)
         lengths = features.length_per_key()
-        ids_of_keys = values[: sum(lengths)]
-        if min(lengths) == max(lengths):  # e.g. one id per sample and feature: one reduction
-            lo, hi = torch.aminmax(ids_of_keys.reshape(len(keys), -1), dim=1)
-        else:
-            present = [i for i, n in enumerate(lengths) if n]
-            parts = ids_of_keys.split(lengths)
-            low_high = [torch.aminmax(parts[i]) for i in present]
-            index = torch.tensor(present, device=values.device)
-            lo = torch.zeros(len(keys), dtype=values.dtype, device=values.device)
-            hi = torch.zeros_like(lo)
-            lo[index] = torch.stack([m for m, _ in low_high])
-            hi[index] = torch.stack([m for _, m in low_high])
-        bad_keys = ((lo < 0) | (hi >= rows)).nonzero().flatten().tolist()  # the one sync
-        bad_keys = [k for k in bad_keys if names[k] is not None]  # keys no table reads
-        if not bad_keys:
-            return features
         offsets = features.offset_per_key()
         masks: dict[int, torch.Tensor] = {}
         for k in bad_keys:
@@ -149,6 +176,27 @@ class IdBoundsCheck:
             offset_per_key=offsets,
             inverse_indices=features.inverse_indices_or_none(),
         )
+
+    def _bad_keys(self, features: KeyedJaggedTensor) -> list[int]:
+        """The positions of the keys (with ids) holding an id outside their table, in key
+        order; keys no table reads are left out."""
+        values, keys = features.values(), features.keys()
+        rows, names = self._row_bounds(keys, values.device)
+        lengths = features.length_per_key()
+        ids_of_keys = values[: sum(lengths)]
+        if min(lengths) == max(lengths):  # e.g. one id per sample and feature: one reduction
+            lo, hi = torch.aminmax(ids_of_keys.reshape(len(keys), -1), dim=1)
+        else:
+            present = [i for i, n in enumerate(lengths) if n]
+            parts = ids_of_keys.split(lengths)
+            low_high = [torch.aminmax(parts[i]) for i in present]
+            index = torch.tensor(present, device=values.device)
+            lo = torch.zeros(len(keys), dtype=values.dtype, device=values.device)
+            hi = torch.zeros_like(lo)
+            lo[index] = torch.stack([m for m, _ in low_high])
+            hi[index] = torch.stack([m for _, m in low_high])
+        bad_keys = ((lo < 0) | (hi >= rows)).nonzero().flatten().tolist()  # on a device: a sync
+        return [k for k in bad_keys if names[k] is not None]
 
     def _row_bounds(
         self, keys: list[str], device: torch.device
@@ -200,3 +248,76 @@ class IdBoundsCheck:
     def out_of_range_ids(self) -> dict[str, int]:
         """Out-of-range ids replaced by row 0 so far (``WARN`` only), per table."""
         return dict(self._out_of_range)
+
+
+class HostBoundsCheck:
+    """The bounds checks of a model's tiered sharded modules, run on a batch while it is still
+    on the host, so that on an accelerator no module waits for the device to learn whether
+    a batch's ids lie in their tables.
+
+    :meth:`check` the host batch, copy it to the device, :meth:`vouch` for the copy (or do both
+    with :meth:`to_device`). Each module then lets in the copy's sparse features unchecked
+    (:meth:`IdBoundsCheck.vouch`). A batch with an id outside its table is not vouched for:
+    its module checks it on the device as before, raising or replacing ids in the same place,
+    so results never depend on whether a batch went through here. On the CPU it costs what the
+    module's own check would.
+
+    Args:
+        model: the sharded model (e.g. ``DistributedModelParallel``); its modules that offer
+            ``id_bounds_check()`` (the tiered sharded EBC and EC) are found once, here.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._checks: list[IdBoundsCheck] = []
+        for module in model.modules():
+            method = getattr(module, "id_bounds_check", None)
+            if callable(method):
+                self._checks.append(method())
+
+    def check(self, batch: Any) -> list[tuple[IdBoundsCheck, int]]:
+        """Checks every sparse feature batch (``KeyedJaggedTensor``) on the host in ``batch``
+        (itself, or in its dataclass fields, mapping values or sequence items) against every
+        module; returns which pass, as ``(module check, position)``, for :meth:`vouch`."""
+        if not self._checks:
+            return []
+        return [
+            (check, i)
+            for i, features in enumerate(_sparse_features(batch))
+            # Features already on a device are left to their module: checking them here
+            # would wait for the device just the same.
+            if features.values().device.type == "cpu"
+            for check in self._checks
+            if check.passes(features)
+        ]
+
+    def vouch(self, passed: Sequence[tuple[IdBoundsCheck, int]], copy: Any) -> None:
+        """Vouches for ``copy``, the device copy of a batch :meth:`check` returned ``passed``
+        for (its sparse features are found in the same order)."""
+        if not passed:
+            return
+        features = list(_sparse_features(copy))
+        for check, i in passed:
+            check.vouch(features[i])
+
+    def to_device(self, batch: B, device: torch.device, non_blocking: bool = True) -> B:
+        """``batch.to(device)``, checked here on the host first."""
+        passed = self.check(batch)
+        copy: B = batch.to(device, non_blocking=non_blocking)  # type: ignore[attr-defined]
+        self.vouch(passed, copy)
+        return copy
+
+
+def _sparse_features(batch: Any) -> Iterator[KeyedJaggedTensor]:
+    """The ``KeyedJaggedTensor`` s in ``batch``, depth first in a fixed order, so a batch and
+    its device copy list theirs alike."""
+    if isinstance(batch, KeyedJaggedTensor):
+        yield batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from _sparse_features(getattr(batch, field.name))
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _sparse_features(value)
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _sparse_features(item)

@@ -168,6 +168,11 @@ class _TieredShardedMixin:
         """The batch as the module's bounds check lets it in (see :class:`IdBoundsCheck`)."""
         return self._id_check.apply(features)
 
+    def id_bounds_check(self) -> IdBoundsCheck:
+        """The module's bounds check, for a pipeline to run on a batch still on the host (see
+        :class:`~torchrec_mtrains.distributed.id_bounds.HostBoundsCheck`)."""
+        return self._id_check
+
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         if skip_registering:
             super()._initialize_torch_state(skip_registering=True)  # type: ignore[misc]

@@ -12,7 +12,8 @@ batch. :class:`LookaheadTrainPipeline` keeps TorchRec's model rewrite (``_rewrit
 stream (none on CPU) and the queue holds ``k`` prefetched batches. It runs on CPU and on CUDA.
 
 What overlaps training is the tiered kernels' background tier I/O: a batch's ids are checked
-on the training thread, and its rows planned (ids to cache slots, held so nothing evicts them)
+on the host before it is copied to the device (:class:`HostBoundsCheck`, so no module waits for
+the device to check them), and its rows planned (ids to cache slots, held so nothing evicts them)
 and read by the tier worker while earlier batches run forward, backward and optimizer. On CUDA
 the worker copies rows into the HBM cache on its own stream, ordered by events against the
 training stream.
@@ -37,6 +38,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable
 
+from torchrec_mtrains.distributed.id_bounds import HostBoundsCheck, IdBoundsCheck
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline.stats import StepStats, snapshot, tiered_groups
 
@@ -119,6 +121,9 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         )
         self._lookahead = lookahead
         self._groups: list[TieredTableGroup] | None = None
+        self._host_check: HostBoundsCheck | None = None
+        # What the host check found of the batch being copied (see copy_batch_to_gpu).
+        self._host_checked: list[tuple[IdBoundsCheck, int]] = []
         # True from a step's start until the pipeline shuts down (nothing to stop otherwise).
         self._running = False
         self.last_step: StepStats | None = None
@@ -135,6 +140,27 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         if self._groups is None:
             self._groups = tiered_groups(self._model)
         return self._groups
+
+    # ---------------------------------------------------------------------- reading batches
+
+    def _next_batch(self, dataloader_iter: Iterator[In]) -> In | None:
+        """TorchRec's, and the batch's ids checked while it is still on the host."""
+        batch: In | None = super()._next_batch(dataloader_iter)
+        if self._host_check is None:
+            self._host_check = HostBoundsCheck(self._model)
+        self._host_checked = [] if batch is None else self._host_check.check(batch)
+        return batch
+
+    def copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[In]
+    ) -> tuple[In | None, PrefetchTrainPipelineContext | None]:
+        """TorchRec's (the next batch, copied to the device on its side stream), then the
+        copy vouched for where its host batch passed the bounds checks."""
+        batch, context = super().copy_batch_to_gpu(dataloader_iter)
+        passed, self._host_checked = self._host_checked, []
+        if batch is not None and self._host_check is not None:
+            self._host_check.vouch(passed, batch)
+        return batch, context
 
     # ------------------------------------------------------------------------------ running
 
