@@ -11,6 +11,15 @@ copies on its own stream, so its copies overlap compute, and two events keep it 
 * a batch's forward waits for the event recorded after its rows were copied in.
 
 On CPU every copy is synchronous and all of this is a no-op.
+
+Every tier reaches HBM the same way: the worker reads a batch's missing rows on the host (DRAM
+and byte SCM by a gather from memory or the mapped file; block SCM by the AIO engine with
+``queue_depth`` block reads in flight, merged across tables by ``read_rows_together``), stages
+them in pinned memory and copies them on its stream. A mapping the GPU reads itself (the file
+registered with ``cudaHostRegister``, rows gathered by a kernel) was considered for byte SCM and
+not built: registering page-locks the whole range, so the tier's file would be held in DRAM,
+and a byte-SCM tier exists to hold more than DRAM can. Where a table's rows fit in locked DRAM,
+the DRAM tier (or TorchRec's UVM caching) serves it.
 """
 
 from __future__ import annotations
