@@ -252,16 +252,17 @@ class TrainWindow:
 
     def _start(self) -> None:
         self.steps = 0
-        self._loss_sum = 0.0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
         self._samples = 0
         self._positives = torch.zeros((), dtype=torch.float64, device=self._device)
         self._started = time.perf_counter()
         self._stall = snapshot(self._groups).io.stall_seconds
         self._counters = _tier_counters(self._model)
 
-    def add(self, loss: float, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Counts a step: its loss, logits and labels stay on the device until the report."""
         self.steps += 1
-        self._loss_sum += loss
+        self._loss_sum += loss.detach().to(torch.float64)
         self._samples += int(labels.numel())
         self._positives += labels.sum()
         update_metrics(self._metrics, logits, labels)
@@ -271,11 +272,12 @@ class TrainWindow:
         seconds = time.perf_counter() - self._started
         counters = _tier_counters(self._model)
         summed = torch.tensor(
-            [self._loss_sum, self._samples, self.steps, 0.0]
+            [0.0, self._samples, self.steps, 0.0]
             + [now - before for now, before in zip(counters, self._counters)],
             dtype=torch.float64,
             device=self._device,
         )
+        summed[0] = self._loss_sum
         summed[3] = self._positives
         stall = snapshot(self._groups).io.stall_seconds - self._stall
         slowest = torch.tensor([stall, seconds], dtype=torch.float64, device=self._device)

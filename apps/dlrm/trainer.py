@@ -400,6 +400,9 @@ class Trainer:
         log_every = max(1, run.log_every)
         window = TrainWindow(model, batch_size, device)
         losses: list[float] = []
+        # This window's losses, still on the device: read at each report, so that a GPU step
+        # never waits for its loss.
+        pending: list[torch.Tensor] = []
         samples = 0  # this rank's
         groups = tiered_groups(model)
         if self.full_every > 1:
@@ -439,8 +442,14 @@ class Trainer:
             )
             return step, path
 
+        def take_losses() -> None:
+            if pending:
+                losses.extend(torch.stack(pending).tolist())
+                pending.clear()
+
         def report() -> dict[str, str]:
             """A collective: the window's numbers to the history, TensorBoard and progress."""
+            take_losses()
             record = window.report()
             self.log.train(step, position.epoch, record)
             return {
@@ -459,7 +468,7 @@ class Trainer:
                         break
                     step += 1
                     position = state.trained()
-                    losses.append(loss)
+                    pending.append(loss)
                     samples += int(labels.numel())
                     window.add(loss, logits, labels)
                     progress.update(report() if step % log_every == 0 else None)
@@ -469,6 +478,7 @@ class Trainer:
                         saved = checkpoint(full=final)
                 if window.steps:
                     progress.show(report())  # the last steps, short of a whole window
+                take_losses()
             progress.close()
             elapsed = time.perf_counter() - timed_start
             io_train = io_totals(io_before, snapshot(groups), elapsed, world, device)
@@ -571,32 +581,32 @@ def _plain_step(
     optimizer: CombinedOptimizer,
     batches: Iterator[Batch],
     device: torch.device,
-) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One step of the plain loop (no look-ahead): each batch's rows are read from the tiers
-    when its forward needs them. Returns ``(loss, logits, labels)``; raises StopIteration at
-    the end of the data."""
+    when its forward needs them. Returns ``(loss, logits, labels)``, the loss still on the
+    device; raises StopIteration at the end of the data."""
 
     host_check = HostBoundsCheck(model)  # ids checked before the copy: no device sync
 
-    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = host_check.to_device(next(batches), device)
         optimizer.zero_grad()
         loss, (_, logits, labels) = model(batch)
         loss.backward()
         optimizer.step()
-        return float(loss.detach()), logits, labels
+        return loss.detach(), logits, labels
 
     return step
 
 
 def _pipelined_step(
     pipeline: LookaheadTrainPipeline[Batch, Any], batches: Iterator[Batch]
-) -> Callable[[], tuple[float, torch.Tensor, torch.Tensor]]:
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One step of the look-ahead pipeline: the same ``(loss, logits, labels)`` as the plain
     step."""
 
-    def step() -> tuple[float, torch.Tensor, torch.Tensor]:
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         loss, logits, labels = pipeline.progress(batches)
-        return float(loss), logits, labels
+        return loss.detach(), logits, labels
 
     return step

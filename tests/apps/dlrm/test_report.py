@@ -87,7 +87,7 @@ def test_a_training_window_reports_its_own_steps_only() -> None:
         logits = torch.randn(3, 32, generator=generator)
         labels = (torch.rand(3, 32, generator=generator) < torch.sigmoid(logits)).float()
         for step in range(3):
-            window.add(float(step), logits[step], labels[step])
+            window.add(torch.tensor(float(step)), logits[step], labels[step])
         reports.append((window.report(), logits.flatten(), labels.flatten()))
     for record, logits, labels in reports:
         p = torch.sigmoid(logits).double()
