@@ -89,8 +89,8 @@ class IdBoundsCheck:
         self._bounds: dict[tuple[tuple[str, ...], torch.device], Any] = {}
         self._out_of_range: Counter[str] = Counter()
         self._out_of_range_batches: Counter[str] = Counter()
-        # id(values) -> the values of a batch a host check vouched for (see vouch()).
-        self._vouched: dict[int, weakref.ref[torch.Tensor]] = {}
+        # id(batch) -> a batch a host check vouched for (see vouch()).
+        self._vouched: dict[int, weakref.ref[KeyedJaggedTensor]] = {}
         #: Batches let in on a host check's word (:meth:`vouch`), and batches checked here.
         self.vouched_batches = 0
         self.checked_batches = 0
@@ -104,16 +104,16 @@ class IdBoundsCheck:
     def vouch(self, features: KeyedJaggedTensor) -> None:
         """Lets ``features`` in unchecked the next time it enters the module: its ids were
         found in range (:meth:`passes`) in the host batch it was copied from. Keyed by the
-        identity of its values tensor, held weakly: a batch the model transforms before the
-        module (new values) is checked as usual, and a batch never run is forgotten."""
-        values = features.values()
-        key = id(values)
+        batch object itself, held weakly: any batch built from it on the way to the module
+        (other keys, lengths or values) is checked as usual, and a batch never run is
+        forgotten."""
+        key = id(features)
         vouched = self._vouched
-        vouched[key] = weakref.ref(values, lambda _: vouched.pop(key, None))
+        vouched[key] = weakref.ref(features, lambda _: vouched.pop(key, None))
 
-    def _take_vouched(self, values: torch.Tensor) -> bool:
-        ref = self._vouched.pop(id(values), None)
-        return ref is not None and ref() is values
+    def _take_vouched(self, features: KeyedJaggedTensor) -> bool:
+        ref = self._vouched.pop(id(features), None)
+        return ref is not None and ref() is features
 
     def apply(self, features: Any) -> Any:
         """Applies the check to a batch entering the module, for every table
@@ -132,10 +132,10 @@ class IdBoundsCheck:
         """
         if not isinstance(features, KeyedJaggedTensor):
             return features
-        values = features.values()
-        if self._take_vouched(values):
+        if self._take_vouched(features):
             self.vouched_batches += 1
             return features
+        values = features.values()
         if not values.numel():
             return features
         self.checked_batches += 1
