@@ -18,6 +18,12 @@ Reported: throughput and its ratio to A's, cache hit rates (overall and per tabl
 process's peak RSS and the cgroup's peak usage against the cap, time per phase. The run
 directory (tier files, checkpoint) is removed afterwards unless ``--keep``.
 
+With ``run.device=cuda`` among the overrides, U runs last: the same tables on TorchRec's own
+FUSED_UVM_CACHING (``planner=size_rule planner.large_tables=uvm_caching``: rows in host memory
+mapped for the GPU, a cache in HBM) under the same cap, to show what TorchRec alone does with
+tables larger than host memory: its exit, OOM kills, peak and error are reported. Without CUDA
+it is reported as not run (fbgemm's UVM has no CPU path).
+
 Example::
 
     python benchmarks/w2_bench.py --out results/w2.json               # ~5 min here
@@ -133,6 +139,54 @@ def reference_command(args: argparse.Namespace, run_dir: Path, profile: Path | N
     ]
 
 
+def uvm_command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """U: the same model, data and steps through the app with the tables past the DRAM
+    budget on TorchRec's FUSED_UVM_CACHING at ``--uvm-cache-load-factor`` (the plain loop:
+    TorchRec's kernel fills its own cache), no evaluation and no checkpoint."""
+    overrides = [
+        *data_overrides(args),
+        f"run.dir={run_dir}",
+        f"run.steps={args.steps}",
+        "run.eval_batches=0",
+        "run.final_checkpoint=false",
+        "run.progress=false",
+        f"run.num_threads={args.threads}",
+        "hardware=local",
+        "planner=size_rule",
+        f"planner.dram_budget={args.dram_budget}",
+        "planner.large_tables=uvm_caching",
+        f"planner.cache_load_factor={args.uvm_cache_load_factor}",
+        "pipeline.lookahead=0",
+    ]
+    return [sys.executable, "-m", "apps.dlrm.train", *overrides, *args.override]
+
+
+def on_cuda(args: argparse.Namespace) -> bool:
+    return any(o.replace(" ", "") == "run.device=cuda" for o in args.override)
+
+
+def run_uvm(
+    args: argparse.Namespace, work: Path, cap: int | None, support: CgroupSupport
+) -> dict[str, Any]:
+    """Runs U under ``cap``: its exit, OOM kills and peaks (:func:`run_capped`), its last
+    error line, and what it trained if it got that far."""
+    cmd = uvm_command(args, work / "uvm")
+    print("$ python " + " ".join(cmd[1:]), flush=True)
+    log = work / "uvm.log"
+    out = run_app(cmd, cap, log, support)
+    out["command"] = " ".join(cmd[1:])
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    out["error"] = errors[-1] if errors else (lines[-1] if lines and out["returncode"] else None)
+    metrics_path = work / "uvm" / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    out["trained_steps"] = metrics.get("steps", 0)
+    out["samples_per_s"] = metrics.get("samples_per_s")
+    if out["returncode"] != 0:
+        out["log_tail"] = "\n".join(lines[-30:])
+    return out
+
+
 def check_losses(ours: list[float], reference: list[float]) -> str | None:
     """Why the tiered run is not what A trains (the first step whose loss differs), or None."""
     if not reference:
@@ -218,6 +272,22 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"  {name:<10} hit {t['hit_rate']:.3f}  read {t['tier_bytes_read'] / 2**20:9.1f}"
                 f" MiB  written {t['tier_bytes_written'] / 2**20:9.1f} MiB"
             )
+    u = result.get("U") or {}
+    what = "U (the same tables on TorchRec's FUSED_UVM_CACHING"
+    if "not_run" in u:
+        print(f"{what}): not run: {u['not_run']}")
+    elif u:
+        done = (
+            f", trained {u['trained_steps']} steps at {u['samples_per_s']:,.0f} samples/s"
+            if u.get("samples_per_s")
+            else ", trained nothing"
+        )
+        print(
+            f"{what}, same cap): exit {u['returncode']}"
+            + (", OOM-killed" if u.get("oom_kills") else "")
+            + done
+            + (f"; {u['error']}" if u.get("error") else "")
+        )
     print(f"load average {result['machine']['load_average']}")
 
 
@@ -240,6 +310,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-batches", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--lookahead", type=int, default=2)
+    parser.add_argument(
+        "--uvm-cache-load-factor",
+        type=float,
+        default=0.15,
+        help="U's cache (CUDA only): TorchRec's FUSED_UVM_CACHING load factor",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--no-cap", action="store_true")
@@ -345,6 +421,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(text[-6000:], flush=True)  # its figures, once its losses are checked
         if result["app"]["returncode"] != 0:
             result["app"]["log_tail"] = text[-3000:]
+        if on_cuda(args):
+            result["U"] = run_uvm(args, work, cap if capped else None, support)
+        else:
+            result["U"] = {
+                "not_run": "TorchRec's FUSED_UVM_CACHING (fbgemm's UVM) runs on CUDA only: "
+                "give run.device=cuda"
+            }
     finally:
         if args.keep:
             print(f"kept {work}")

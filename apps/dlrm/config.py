@@ -111,6 +111,7 @@ class SizeRulePlannerConfig:
     block_scm_min_bytes: str = MISSING
     cache_load_factor: float = MISSING
     cache_policy: str = MISSING
+    large_tables: str = MISSING  # "tiered" or "uvm_caching" (apps.dlrm.placement.LARGE_TABLES)
 
 
 @dataclass

@@ -222,6 +222,7 @@ def build_model(
                 cache_load_factor=planner.cache_load_factor,
                 cache_policy=planner.cache_policy,
                 device_type=device.type,
+                large_tables=planner.large_tables,
             )
             plan_text = format_placements(placements)
     except ConfigError:

@@ -4,26 +4,35 @@ This is the size rule used when no access profile drives placement: the smallest
 the compute device's memory (DRAM on CPU, HBM on CUDA) on TorchRec's FUSED kernel until
 ``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
+With ``large_tables="uvm_caching"`` the rest go to TorchRec's FUSED_UVM_CACHING kernel instead
+(CUDA only), with the same cache load factor: the baseline the tiers are compared with.
 Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
 least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-from torchrec.distributed.types import EmbeddingModuleShardingPlan
+from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from apps.dlrm.errors import ConfigError
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredParameterSharding,
     TieredTableOptions,
 )
 from torchrec_mtrains.types import Tier
+
+LARGE_TABLES = ("tiered", "uvm_caching")
+"""Where :func:`size_rule_plan` may put the tables past the DRAM budget
+(``planner.large_tables``)."""
+UVM_CACHING_KERNEL = "fused_uvm_caching"
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,24 @@ def balance_ranks(configs: list[EmbeddingBagConfig], world_size: int) -> dict[st
     return out
 
 
+def check_large_tables(large_tables: str, device_type: str) -> None:
+    """Refuses a ``planner.large_tables`` that is not one of :data:`LARGE_TABLES`, or
+    ``uvm_caching`` where the job does not compute on CUDA.
+
+    Raises:
+        ConfigError: naming the option, what it may be and, off CUDA, the device."""
+    if large_tables not in LARGE_TABLES:
+        raise ConfigError(
+            f"planner.large_tables={large_tables!r}: give one of {', '.join(LARGE_TABLES)}"
+        )
+    if large_tables == "uvm_caching" and device_type != "cuda":
+        raise ConfigError(
+            "planner.large_tables=uvm_caching: TorchRec's FUSED_UVM_CACHING kernel (fbgemm's "
+            f"UVM) runs on CUDA only, and this run computes on {device_type}; give "
+            "run.device=cuda, or planner.large_tables=tiered for the SCM tiers"
+        )
+
+
 def size_rule_plan(
     ebc: EmbeddingBagCollection,
     sharder: EmbeddingBagCollectionSharder,
@@ -65,11 +92,17 @@ def size_rule_plan(
     cache_load_factor: float,
     cache_policy: str,
     device_type: str = "cpu",
+    large_tables: str = "tiered",
 ) -> tuple[EmbeddingModuleShardingPlan, list[TablePlacement]]:
     """Builds the plan and a per-table summary (see the module docstring for the rule).
 
     ``device_type`` is where the job computes: FUSED tables live in its memory (DRAM on
-    ``cpu``, HBM on ``cuda``), as do the tiered tables' caches."""
+    ``cpu``, HBM on ``cuda``), as do the tiered tables' caches.
+
+    Raises:
+        ConfigError: see :func:`check_large_tables`."""
+    check_large_tables(large_tables, device_type)
+    uvm = large_tables == "uvm_caching"
     configs = sorted(ebc.embedding_bag_configs(), key=lambda c: (table_bytes(c), c.name))
     ranks = balance_ranks(configs, world_size)
     placements: list[TablePlacement] = []
@@ -91,6 +124,21 @@ def size_rule_plan(
                     fast,
                     "fused",
                     config.num_embeddings,
+                    rank,
+                    size,
+                )
+            )
+            continue
+        if uvm:  # rows in host memory, mapped for the GPU; a cache of them in HBM
+            generators[config.name] = table_wise(rank=rank, compute_kernel=UVM_CACHING_KERNEL)
+            placements.append(
+                TablePlacement(
+                    config.name,
+                    config.num_embeddings,
+                    config.embedding_dim,
+                    Tier.DRAM,
+                    "uvm_caching",
+                    int(config.num_embeddings * cache_load_factor),
                     rank,
                     size,
                 )
@@ -124,16 +172,20 @@ def size_rule_plan(
     )
     for name, opts in options.items():
         plan[name] = TieredParameterSharding.wrap(plan[name], opts)
+    cache = CacheParams(load_factor=cache_load_factor)
+    for p in placements:
+        if p.kernel == "uvm_caching":
+            plan[p.table] = dataclasses.replace(plan[p.table], cache_params=cache)
     return plan, placements
 
 
 def format_placements(placements: list[TablePlacement]) -> str:
     """The plan as a readable table."""
-    header = f"{'table':<12}{'rows':>12}{'dim':>6}  {'tier':<10}{'kernel':<8}{'cache rows':>12}{'rank':>6}{'MB':>10}"
+    header = f"{'table':<12}{'rows':>12}{'dim':>6}  {'tier':<10}{'kernel':<12}{'cache rows':>12}{'rank':>6}{'MB':>10}"
     lines = [header, "-" * len(header)]
     for p in sorted(placements, key=lambda p: p.table):
         lines.append(
-            f"{p.table:<12}{p.rows:>12}{p.dim:>6}  {p.tier.value:<10}{p.kernel:<8}"
+            f"{p.table:<12}{p.rows:>12}{p.dim:>6}  {p.tier.value:<10}{p.kernel:<12}"
             f"{p.cache_rows:>12}{p.rank:>6}{p.bytes / 2**20:>10.1f}"
         )
     per_tier: dict[str, int] = {}

@@ -27,8 +27,16 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from apps.dlrm.cluster import check_shared_run_dir
-from apps.dlrm.config import CONF_DIR, AppConfig, RunConfig, check_keys, to_app_config
+from apps.dlrm.config import (
+    CONF_DIR,
+    AppConfig,
+    RunConfig,
+    SizeRulePlannerConfig,
+    check_keys,
+    to_app_config,
+)
 from apps.dlrm.errors import USER_ERRORS, ConfigError, one_paragraph
+from apps.dlrm.placement import check_large_tables
 from apps.dlrm.trainer import Trainer
 from torchrec_mtrains.distributed.runtime import (
     end_process_group,
@@ -121,6 +129,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     timeout_option = f"run.collective_timeout={format_duration(timeout)}"
     try:
         with failing_together(timeout, option=timeout_option):
+            if isinstance(app.planner, SizeRulePlannerConfig):  # before anything is written
+                check_large_tables(app.planner.large_tables, group.device.type)
             cfg, app = _agree_run_dir(cfg, app, group.world_size)
             run_dir = _prepare_run_dir(app.run)
             # Before any tier file is made: a run.dir a node does not share stops every rank.

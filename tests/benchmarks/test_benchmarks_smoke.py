@@ -7,6 +7,7 @@ benchmarks skip the cap and say so; these tests accept either and check the repo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -146,6 +147,33 @@ def test_w2_smoke(tmp_path: Path) -> None:
     assert "tiered" not in ref["plan"] and "tiered" in r["plan"]
     assert m["train_losses_first"] == ref["first_losses"] and len(set(ref["first_losses"])) > 1
     assert r["losses_checked"] == 6 and "first 6 losses are A's" in done.stdout
+    # U (TorchRec's UVM caching on the same tables) needs CUDA: reported as not run.
+    assert "CUDA only" in r["U"]["not_run"]
+    assert "FUSED_UVM_CACHING): not run: " in done.stdout
+
+
+def test_w2_u_is_an_app_run_the_cpu_refuses_naming_cuda(tmp_path: Path) -> None:
+    """U's command line composes into the app's config (every key exists); without CUDA the
+    app refuses it before writing anything, naming the option, and U reports that line."""
+    w2 = _load("w2_bench")
+    args = argparse.Namespace(
+        model="w2_large",
+        batch_size=128,
+        smoke=True,
+        steps=2,
+        threads=1,
+        dram_budget="1MiB",
+        uvm_cache_load_factor=0.15,
+        override=[],
+    )
+    cmd = w2.uvm_command(args, tmp_path / "uvm")
+    assert "planner.large_tables=uvm_caching" in cmd and not w2.on_cuda(args)
+    assert w2.on_cuda(argparse.Namespace(override=["run.device=cuda"]))
+    u = w2.run_uvm(args, tmp_path, None, w2.cgroup_support())
+    assert u["returncode"] == 2, u.get("log_tail")
+    assert u["error"].startswith("error: planner.large_tables=uvm_caching: TorchRec's FUSED_")
+    assert u["trained_steps"] == 0 and u["samples_per_s"] is None
+    assert not (tmp_path / "uvm").exists()  # refused before the run wrote anything
 
 
 def test_w2_check_names_the_first_step_that_differs() -> None:

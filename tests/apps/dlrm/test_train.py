@@ -28,11 +28,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from apps.dlrm.config import to_app_config
 from apps.dlrm.data import SyntheticCriteoDataset
 from apps.dlrm.model import size_option, tiered_plan
-from apps.dlrm.placement import balance_ranks, table_bytes
+from apps.dlrm.placement import balance_ranks, format_placements, size_rule_plan, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
 from torchrec_mtrains.distributed import (
     TieredEmbeddingBagCollectionSharder,
     TieredParameterSharding,
+    TierStorage,
 )
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 
@@ -419,6 +420,79 @@ def test_gpu_preset_plans_for_the_device_the_run_uses(tmp_path: Path) -> None:
     assert "hbm" not in plan  # no HBM column: no table or cache planned there
 
 
+def _tiny_ebc() -> EmbeddingBagCollection:
+    """The tiny model's tables (dim 16), on the meta device: for plans made without a model."""
+    return EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"cat_{i}"]
+            )
+            for i, n in enumerate(SIZES)
+        ],
+        device=torch.device("meta"),
+    )
+
+
+def _size_rule_placement(large_tables: str, device_type: str) -> tuple[Any, list[Any]]:
+    """The tiny model's size-rule plan (200 KB DRAM budget, load factor 0.25) for
+    ``device_type``, made without a device."""
+    ebc = _tiny_ebc()
+    sharder = TieredEmbeddingBagCollectionSharder(TierStorage(), offer_tiered_kernel=False)
+    return size_rule_plan(
+        ebc,
+        sharder,
+        world_size=1,
+        dram_budget=200_000,
+        block_scm_min_bytes=200_000,
+        cache_load_factor=0.25,
+        cache_policy="lru",
+        device_type=device_type,
+        large_tables=large_tables,
+    )
+
+
+def test_large_tables_may_go_to_torchrecs_uvm_caching_instead_of_the_tiers() -> None:
+    """``planner.large_tables=uvm_caching``: the tables past the DRAM budget go to TorchRec's
+    FUSED_UVM_CACHING kernel with the cache load factor (the baseline the tiers are compared
+    with on a GPU); the others stay FUSED, as with the tiers."""
+    plan, placements = _size_rule_placement("uvm_caching", "cuda")
+    tiered_plan_, _ = _size_rule_placement("tiered", "cuda")
+    big = {n for n, ps in tiered_plan_.items() if isinstance(ps, TieredParameterSharding)}
+    assert len(big) == TIERED_TABLES
+    for name, ps in plan.items():
+        assert not isinstance(ps, TieredParameterSharding)
+        if name in big:
+            assert ps.compute_kernel == "fused_uvm_caching", name
+            assert ps.cache_params is not None and ps.cache_params.load_factor == 0.25
+        else:
+            assert ps.compute_kernel == "fused" and ps.cache_params is None, name
+    rows = {p.table: p.rows for p in placements}
+    assert {p.table: p.cache_rows for p in placements if p.kernel == "uvm_caching"} == {
+        name: rows[name] // 4 for name in big
+    }
+    assert "uvm_caching" in format_placements(placements)
+
+
+def test_uvm_caching_off_cuda_and_unknown_large_tables_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"large_tables=uvm_caching.*CUDA only.*cpu") as info:
+        main(config(tmp_path / "a", "planner.large_tables=uvm_caching"))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"large_tables='hbm': give one of tiered, uvm_caching"):
+        main(config(tmp_path / "b", "planner.large_tables=hbm"))
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.cuda
+def test_app_trains_with_the_large_tables_on_torchrecs_uvm_caching(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    metrics = main(
+        config(run_dir, "run.device=cuda", "run.steps=12", "planner.large_tables=uvm_caching")
+    )
+    assert metrics["steps"] == 12 and math.isfinite(float(metrics["train_loss_last"]))  # type: ignore[arg-type]
+    plan = (run_dir / "plan.txt").read_text()
+    assert plan.count("uvm_caching") == TIERED_TABLES, plan
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("planner", ["size_rule", "tiered"])
 def test_app_trains_on_cuda_and_resumes_on_the_cpu(tmp_path: Path, planner: str) -> None:
@@ -456,15 +530,7 @@ def test_tiered_plan_reads_the_apps_config(tmp_path: Path) -> None:
                 "data.batch_size=256",
             ],
         )
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=f"t_cat_{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"cat_{i}"]
-            )
-            for i, n in enumerate(SIZES)
-        ],
-        device=torch.device("meta"),
-    )
+    ebc = _tiny_ebc()
     sharder = TieredEmbeddingBagCollectionSharder(offer_tiered_kernel=True)
     plan, text = tiered_plan(to_app_config(cfg), ebc, sharder, 1, torch.device("cpu"))
     assert set(plan) == {f"t_cat_{i}" for i in range(len(SIZES))}
