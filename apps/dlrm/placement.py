@@ -5,7 +5,8 @@ the compute device's memory (DRAM on CPU, HBM on CUDA) on TorchRec's FUSED kerne
 ``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
 With ``large_tables="uvm_caching"`` the rest go to TorchRec's FUSED_UVM_CACHING kernel instead
-(CUDA only), with the same cache load factor: the baseline the tiers are compared with.
+(CUDA only), with the same cache load factor and policy: the baseline the tiers are compared
+with.
 Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
 least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan
@@ -172,7 +174,8 @@ def size_rule_plan(
     )
     for name, opts in options.items():
         plan[name] = TieredParameterSharding.wrap(plan[name], opts)
-    cache = CacheParams(load_factor=cache_load_factor)
+    algorithm = CacheAlgorithm.LFU if cache_policy == "lfu" else CacheAlgorithm.LRU
+    cache = CacheParams(algorithm=algorithm, load_factor=cache_load_factor)
     for p in placements:
         if p.kernel == "uvm_caching":
             plan[p.table] = dataclasses.replace(plan[p.table], cache_params=cache)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from dlrm_helpers import SIZES, TIERED_TABLES, TINY_TABLES, app_config
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -464,6 +465,7 @@ def test_large_tables_may_go_to_torchrecs_uvm_caching_instead_of_the_tiers() -> 
         if name in big:
             assert ps.compute_kernel == "fused_uvm_caching", name
             assert ps.cache_params is not None and ps.cache_params.load_factor == 0.25
+            assert ps.cache_params.algorithm is CacheAlgorithm.LRU  # planner.cache_policy
         else:
             assert ps.compute_kernel == "fused" and ps.cache_params is None, name
     rows = {p.table: p.rows for p in placements}
