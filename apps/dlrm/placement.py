@@ -115,53 +115,24 @@ def size_rule_plan(
     for config in configs:
         size = table_bytes(config)
         rank = ranks[config.name]
+        rows = config.num_embeddings
         if spent + size <= dram_budget:
             spent += size
-            generators[config.name] = table_wise(rank=rank, compute_kernel="fused")
-            placements.append(
-                TablePlacement(
-                    config.name,
-                    config.num_embeddings,
-                    config.embedding_dim,
-                    fast,
-                    "fused",
-                    config.num_embeddings,
-                    rank,
-                    size,
-                )
+            tier, kernel, compute_kernel, cache_rows = fast, "fused", "fused", rows
+        elif uvm:  # rows in host memory, mapped for the GPU; a cache of them in HBM
+            tier, kernel, compute_kernel = Tier.DRAM, "uvm_caching", UVM_CACHING_KERNEL
+            cache_rows = int(rows * cache_load_factor)
+        else:
+            tier = Tier.BLOCK_SCM if size >= block_scm_min_bytes else Tier.BYTE_SCM
+            opts = TieredTableOptions(
+                tier=tier, cache_load_factor=cache_load_factor, cache_policy=cache_policy
             )
-            continue
-        if uvm:  # rows in host memory, mapped for the GPU; a cache of them in HBM
-            generators[config.name] = table_wise(rank=rank, compute_kernel=UVM_CACHING_KERNEL)
-            placements.append(
-                TablePlacement(
-                    config.name,
-                    config.num_embeddings,
-                    config.embedding_dim,
-                    Tier.DRAM,
-                    "uvm_caching",
-                    int(config.num_embeddings * cache_load_factor),
-                    rank,
-                    size,
-                )
-            )
-            continue
-        tier = Tier.BLOCK_SCM if size >= block_scm_min_bytes else Tier.BYTE_SCM
-        opts = TieredTableOptions(
-            tier=tier, cache_load_factor=cache_load_factor, cache_policy=cache_policy
-        )
-        options[config.name] = opts
-        generators[config.name] = table_wise(rank=rank, compute_kernel=TIERED_KERNEL)
+            options[config.name] = opts
+            kernel, compute_kernel, cache_rows = "tiered", TIERED_KERNEL, opts.cache_rows(rows)
+        generators[config.name] = table_wise(rank=rank, compute_kernel=compute_kernel)
         placements.append(
             TablePlacement(
-                config.name,
-                config.num_embeddings,
-                config.embedding_dim,
-                tier,
-                "tiered",
-                opts.cache_rows(config.num_embeddings),
-                rank,
-                size,
+                config.name, rows, config.embedding_dim, tier, kernel, cache_rows, rank, size
             )
         )
     plan = construct_module_sharding_plan(
