@@ -16,18 +16,22 @@ from torchrec_mtrains.types import RowLayout
 
 
 def test_mapped_rows_is_the_file(tmp_path: Path) -> None:
-    layout = RowLayout(64, 3, 1, "fp16")
+    layout = RowLayout(64, 3, 1, "fp16")  # fp16 weights in two words, the fp32 state in one
+    state = np.float32(1e-8)  # below fp16's range: kept only because the state is fp32
     with ByteSCMStore(tmp_path, "t", layout) as store:
         view = store.mapped_rows()
-        assert view.shape == (64, 4) and view.dtype == np.float16
-        store.write_rows([5], np.full((1, 4), 1.5, np.float32))
-        assert view[5].tolist() == [1.5] * 4
-        view[6] = 2.0  # stores through the view reach the file too
+        assert view.shape == (64, 3) and view.dtype == np.uint32
+        store.write_rows([5], np.array([[1.5, -2.0, 0.25, state]], np.float32))
+        assert layout.decode(view[5:6]).tolist() == [[1.5, -2.0, 0.25, state]]
+        view[6] = layout.encode(np.full((1, 4), 2.0, np.float32))  # stores reach the file too
         store.flush()
         assert store.stats.io_calls == 1  # one msync
         del view
-    on_disk = np.fromfile(store.path, np.float16, 64 * 4, offset=store.data_offset)
-    assert on_disk.reshape(64, 4)[6].tolist() == [2.0] * 4
+    on_disk = np.fromfile(store.path, np.uint32, 64 * 3, offset=store.data_offset)
+    assert layout.decode(on_disk.reshape(64, 3)[5:7]).tolist() == [
+        [1.5, -2.0, 0.25, state],
+        [2.0] * 4,
+    ]
 
 
 def test_close_with_a_live_view_keeps_the_view_valid(tmp_path: Path) -> None:

@@ -119,17 +119,20 @@ def test_clear_makes_every_row_zero_and_stays_so_after_reopen(make_store: StoreF
 
 
 def test_file_is_the_flat_row_array_after_close(make_store: StoreFactory, tmp_path: Path) -> None:
-    """Checkpoints may map any tier's file as (rows, row_width) from data_offset."""
+    """Checkpoints may map any tier's file as (rows, row_words) stored words from data_offset:
+    fp16 weights two to a word, then the optimizer state in fp32."""
     layout = RowLayout(301, 7, 1, "fp16")
     rng = np.random.default_rng(2)
     rows = exact_rows(rng, 301, 8, "fp16")
+    rows[:, 7] = rng.standard_normal(301).astype(np.float32)  # fp32 state: any float32 value
     store = make_store(layout)
     store.write_range(0, rows)
     store.close()
     header = FileHeader.unpack(store.path.read_bytes()[:HEADER_BYTES], store.path)
     assert header.data_offset == store.data_offset
-    flat = np.fromfile(store.path, np.float16, 301 * 8, offset=header.data_offset)
-    np.testing.assert_array_equal(flat.reshape(301, 8).astype(np.float32), rows)
+    assert (header.dtype, header.state_dtype, header.row_bytes) == ("fp16", "fp32", 20)
+    flat = np.fromfile(store.path, np.uint32, 301 * 5, offset=header.data_offset)
+    np.testing.assert_array_equal(layout.decode(flat.reshape(301, 5)), rows)
 
 
 def test_new_table_is_zero_filled_and_private(make_store: StoreFactory, tmp_path: Path) -> None:
@@ -179,13 +182,23 @@ def test_refuses_a_file_made_for_another_shape(make_store: StoreFactory, other: 
     assert str(made.path) in str(err.value)
 
 
-def _rewrite_header(path: Path, **changes: Any) -> None:
+_HEADER_V2 = "<8sI16sQIIBBIQ"
+_HEADER_V1 = "<8sI16sQIIBIQ"
+_FIELDS = ["magic", "version", "tier", "num_rows", "dim", "state_width", "dtype", "state", "rb"]
+
+
+def _rewrite_header(path: Path, v1: bool = False, **changes: Any) -> None:
+    """Rewrites the header's fields (``v1``: in the version 1 format, which had no state
+    dtype: it was the weights')."""
     raw = bytearray(path.read_bytes())
-    fields = list(struct.unpack_from("<8sI16sQIIBIQ", raw))
-    names = ["magic", "version", "tier", "num_rows", "dim", "state_width", "dtype", "rb", "off"]
+    fields = list(struct.unpack_from(_HEADER_V2, raw))
+    names = [*_FIELDS, "off"]
     for key, value in changes.items():
         fields[names.index(key)] = value
-    body = struct.pack("<8sI16sQIIBIQ", *fields)
+    if v1:
+        del fields[names.index("state")]
+        fields[1] = 1
+    body = struct.pack(_HEADER_V1 if v1 else _HEADER_V2, *fields)
     raw[: len(body) + 4] = body + struct.pack("<I", zlib.crc32(body))
     path.write_bytes(bytes(raw))
 
@@ -196,9 +209,11 @@ def _rewrite_header(path: Path, **changes: Any) -> None:
         ({"version": 99}, "layout version 99"),
         ({"magic": b"NOTROWS!"}, "bad magic"),
         ({"dtype": 7}, "corrupt header"),
+        ({"state": 7}, "corrupt header"),
+        ({"state": 2}, "state_dtype: file has"),
         ({"tier": b"elsewhere"}, "tier: file has 'elsewhere'"),
     ],
-    ids=["version", "magic", "dtype-code", "tier"],
+    ids=["version", "magic", "dtype-code", "state-dtype-code", "fp16-state", "tier"],
 )
 def test_refuses_wrong_version_tier_or_magic(
     make_store: StoreFactory, change: dict[str, Any], message: str
@@ -209,6 +224,29 @@ def test_refuses_wrong_version_tier_or_magic(
     with pytest.raises(HeaderMismatchError, match=message) as err:
         make_store(RowLayout(20, 3), mode=OpenMode.OPEN)
     assert str(store.path) in str(err.value)
+
+
+def test_reads_a_version_1_file_of_an_fp32_table(make_store: StoreFactory) -> None:
+    """Version 1 stored the state at the weights' type: for fp32 tables the same bytes."""
+    layout = RowLayout(40, 3, 1)
+    rows = exact_rows(np.random.default_rng(5), 40, 4, "fp32")
+    store = make_store(layout)
+    store.write_range(0, rows)
+    store.close()
+    _rewrite_header(store.path, v1=True)
+    again = make_store(layout, mode=OpenMode.OPEN)
+    np.testing.assert_array_equal(again.read_range(0, 40), rows)
+    again.close()
+
+
+def test_refuses_a_version_1_file_of_an_fp16_table(make_store: StoreFactory) -> None:
+    """Its optimizer state was fp16: refused with what to do, never read as fp32 state."""
+    layout = RowLayout(40, 4, 1, "fp16")
+    store = make_store(layout)
+    store.close()
+    _rewrite_header(store.path, v1=True, rb=10)  # (4 + 1) fp16 values a row
+    with pytest.raises(HeaderMismatchError, match=r"version 1 file of a fp16 table.*rebuild"):
+        make_store(layout, mode=OpenMode.OPEN)
 
 
 def test_refuses_a_corrupt_or_truncated_file(make_store: StoreFactory) -> None:

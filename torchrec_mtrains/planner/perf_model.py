@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from torchrec_mtrains.planner.topology import BlockTierConfig, HostTopology, MemoryTierConfig
-from torchrec_mtrains.types import Tier
+from torchrec_mtrains.types import Tier, stored_row_bytes
 
 __all__ = [
     "ID_BYTES",
@@ -140,7 +140,7 @@ class ShardWork:
         rows: rows in the shard.
         cols: columns (embedding dimension) of the shard.
         state_width: optimizer-state values stored per row (1 for row-wise Adagrad).
-        element_bytes: bytes per stored value.
+        element_bytes: bytes per stored weight (the optimizer state is fp32).
         samples: samples whose lookups the shard serves per step (the global batch).
         lookups: ids looked up in the shard per step.
         unique_rows: distinct ids among them.
@@ -158,8 +158,8 @@ class ShardWork:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of a stored row: weights then optimizer state."""
-        return (self.cols + self.state_width) * self.element_bytes
+        """Bytes of a stored row: weights then optimizer state (fp32, as fbgemm keeps it)."""
+        return stored_row_bytes(self.cols, self.state_width, self.element_bytes)
 
     @property
     def weight_bytes(self) -> int:

@@ -34,7 +34,7 @@ from torchrec_mtrains.planner.perf_model import (
 from torchrec_mtrains.planner.topology import BlockTierConfig
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
 from torchrec_mtrains.tiers.log_block_scm import index_bytes_per_row
-from torchrec_mtrains.types import Tier
+from torchrec_mtrains.types import Tier, stored_row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class TieredShardEstimator(ShardEstimator):  # type: ignore[misc]
         """Bytes shard ``index`` asks of each tier with a cache of ``cache_rows`` rows."""
         shard = option.shards[index]
         rows, cols = int(shard.size[0]), int(shard.size[1])
-        row_bytes = (cols + option.state_width) * option.element_bytes
+        row_bytes = stored_row_bytes(cols, option.state_width, option.element_bytes)
         placement = option.placement
         out: dict[Tier, int] = {placement.rows_tier: rows * row_bytes}
         if placement is Placement.CACHED_DRAM:  # FUSED_UVM_CACHING: fbgemm's cache in HBM

@@ -230,7 +230,7 @@ class TieredShardingOption(ShardingOption):  # type: ignore[misc]
         access: the table's access statistics (shared, never copied).
         table_rows / table_cols: the whole table's shape (shards may be parts of it).
         state_width: optimizer-state values per row.
-        element_bytes: bytes per stored value.
+        element_bytes: bytes per stored weight (the optimizer state is fp32).
         **kwargs: TorchRec's ``ShardingOption`` arguments.
     """
 

@@ -7,8 +7,9 @@ the rows it evicts, so every method takes a vector of ids.
 
 Files created by a store share one on-disk format: a fixed header block followed by the rows,
 packed back to back from ``DATA_OFFSET`` (row ``i`` starts at ``DATA_OFFSET + i * row_bytes``).
-The header records the shape, so a file made for another table shape, dtype, tier or format
-version is refused when opened. New files are created with mode 0600 and preallocated in full,
+The header records the shape (rows, dim, optimizer-state width, the weights' and the state's
+element types), so a file made for another table shape, dtype, tier or format version is refused
+when opened. New files are created with mode 0600 and preallocated in full,
 so a full device is reported when the store is created rather than as a lost write (or, for a
 memory mapping, a SIGBUS) later.
 
@@ -44,12 +45,15 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.tiers.options import TierOptions, own_options
-from torchrec_mtrains.types import RowLayout, StorageDType
+from torchrec_mtrains.types import STATE_DTYPE, RowLayout, StorageDType
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 MAGIC = b"MTRNROWS"
-LAYOUT_VERSION = 1
+# Version 2 stores the optimizer state in fp32 whatever the weights' type (as fbgemm keeps it)
+# and records that type in the header. Version 1 stored the state at the weights' type: its
+# files of fp32 tables hold the same bytes and are read; its files of fp16 tables are refused.
+LAYOUT_VERSION = 2
 # Rows start one 4 KiB block into the file so that block-aligned direct I/O of the data region
 # never touches the header. Block tiers with larger blocks round this up to their block size.
 DATA_OFFSET = 4096
@@ -57,13 +61,17 @@ FILE_SUFFIX = ".rows"
 FILE_MODE = 0o600
 CLEAR_CHUNK_BYTES = 4 * 2**20  # zeros written at once by a flat store's clear()
 
-# magic, version, tier name, num_rows, dim, state_width, dtype code, row_bytes, data_offset, crc
-_HEADER = struct.Struct("<8sI16sQIIBIQ")
+# magic, version, tier name, num_rows, dim, state_width, dtype code, state dtype code, row_bytes,
+# data_offset, then a crc
+_HEADER = struct.Struct("<8sI16sQIIBBIQ")
+_HEADER_V1 = struct.Struct("<8sI16sQIIBIQ")  # no state dtype: it was the weights'
+_VERSION = struct.Struct("<8sI")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _CRC.size
 
 IdArray = npt.NDArray[np.int64]
 RowArray = npt.NDArray[np.float32]
+WordArray = npt.NDArray[Any]  # stored rows, (rows, row_words) of RowLayout.word_dtype
 
 
 class OpenMode(str, enum.Enum):
@@ -95,6 +103,7 @@ class FileHeader:
     dtype: StorageDType
     row_bytes: int
     data_offset: int
+    state_dtype: StorageDType = STATE_DTYPE
     version: int = LAYOUT_VERSION
 
     @classmethod
@@ -107,6 +116,7 @@ class FileHeader:
             dtype=layout.dtype,
             row_bytes=layout.row_bytes,
             data_offset=data_offset,
+            state_dtype=layout.state_dtype,
         )
 
     def pack(self) -> bytes:
@@ -125,6 +135,7 @@ class FileHeader:
             self.dim,
             self.state_width,
             self.dtype.code,
+            self.state_dtype.code,
             self.row_bytes,
             self.data_offset,
         )
@@ -134,26 +145,42 @@ class FileHeader:
     @classmethod
     def unpack(cls, raw: bytes, path: Path) -> FileHeader:
         """Parses a header read from ``path``; raises ``HeaderMismatchError`` naming the file."""
-        if len(raw) < HEADER_BYTES:
+        if len(raw) < _VERSION.size:
             raise HeaderMismatchError(
                 f"{path}: file too short for a row-store header ({len(raw)} bytes)"
             )
-        body, (crc,) = raw[: _HEADER.size], _CRC.unpack_from(raw, _HEADER.size)
-        magic, version, tier, num_rows, dim, state_width, dtype_code, row_bytes, data_offset = (
-            _HEADER.unpack(body)
-        )
+        magic, version = _VERSION.unpack_from(raw)
         if magic != MAGIC:
             raise HeaderMismatchError(f"{path}: not a torchrec_mtrains row file (bad magic)")
+        if version not in (1, LAYOUT_VERSION):
+            raise HeaderMismatchError(
+                f"{path}: layout version {version}, this build reads versions 1 and "
+                f"{LAYOUT_VERSION}"
+            )
+        struct_ = _HEADER if version == LAYOUT_VERSION else _HEADER_V1
+        if len(raw) < struct_.size + _CRC.size:
+            raise HeaderMismatchError(
+                f"{path}: file too short for a row-store header ({len(raw)} bytes)"
+            )
+        body, (crc,) = raw[: struct_.size], _CRC.unpack_from(raw, struct_.size)
         if zlib.crc32(body) != crc:
             raise HeaderMismatchError(f"{path}: corrupt header (checksum mismatch)")
-        if version != LAYOUT_VERSION:
-            raise HeaderMismatchError(
-                f"{path}: layout version {version}, this build reads version {LAYOUT_VERSION}"
-            )
+        fields_ = struct_.unpack(body)
+        _, _, tier, num_rows, dim, state_width, dtype_code = fields_[:7]
+        row_bytes, data_offset = fields_[-2:]
         try:
             dtype = StorageDType.from_code(dtype_code)
+            state_dtype = StorageDType.from_code(fields_[7]) if version == LAYOUT_VERSION else dtype
         except ValueError as e:
             raise HeaderMismatchError(f"{path}: corrupt header ({e})") from None
+        if version == 1 and dtype is not STATE_DTYPE:
+            raise HeaderMismatchError(
+                f"{path}: layout version 1 file of a {dtype.value} table, whose optimizer state "
+                f"it stores in {dtype.value}; this build keeps the state in "
+                f"{STATE_DTYPE.value} (as fbgemm does) and reads version 1 files of "
+                f"{STATE_DTYPE.value} tables only: rebuild the table's tier file from a "
+                "checkpoint (the app's run.resume does)"
+            )
         return cls(
             tier=tier.rstrip(b"\0").decode(errors="replace"),
             num_rows=num_rows,
@@ -162,7 +189,9 @@ class FileHeader:
             dtype=dtype,
             row_bytes=row_bytes,
             data_offset=data_offset,
-            version=version,
+            state_dtype=state_dtype,
+            # A version 1 file of an fp32 table holds what version 2 would (checked above).
+            version=LAYOUT_VERSION,
         )
 
     def check_matches(self, expected: FileHeader, path: Path) -> None:
@@ -354,9 +383,10 @@ class RowStore(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def mapped_rows(self) -> npt.NDArray[Any] | None:
-        """The ``(num_rows, row_width)`` array in storage dtype that *is* the store's memory, for
-        zero-copy checkpoints; ``None`` for tiers without a byte-addressable copy (block tiers).
+    def mapped_rows(self) -> WordArray | None:
+        """The ``(num_rows, row_words)`` array of stored words (:attr:`RowLayout.word_dtype`)
+        that *is* the store's memory, for zero-copy checkpoints; ``None`` for tiers without a
+        byte-addressable copy (block tiers).
 
         Writes through it bypass the counters and the write lock, and it is only valid until
         :meth:`close`."""
@@ -370,28 +400,36 @@ class RowStore(ABC):
 
     def export_rows(
         self,
-        out: npt.NDArray[Any],
+        out: WordArray,
         chunk_rows: int = 65_536,
         written: Callable[[], None] | None = None,
     ) -> None:
-        """Copies every row, in id order, into ``out`` (``(num_rows, row_width)`` in storage
-        dtype, e.g. a file mapping), ``chunk_rows`` at a time, calling ``written`` after each
-        piece (e.g. to write a mapping's dirty pages out). A tier whose file is not the flat
-        row array overrides this with a sequential scan of its file."""
+        """Copies every row, in id order, into ``out`` (``(num_rows, row_words)`` stored words,
+        e.g. a file mapping), ``chunk_rows`` at a time, calling ``written`` after each piece
+        (e.g. to write a mapping's dirty pages out). A tier whose file is not the flat row
+        array overrides this with a sequential scan of its file."""
         self._check_export_target(out)
         for start in range(0, self.layout.num_rows, chunk_rows):
             count = min(chunk_rows, self.layout.num_rows - start)
-            out[start : start + count] = self.read_range(start, count)
+            out[start : start + count] = self.layout.encode(self.read_range(start, count))
             if written is not None:
                 written()
 
-    def _check_export_target(self, out: npt.NDArray[Any]) -> None:
+    def _check_export_target(self, out: WordArray) -> None:
         self._check_open()
-        if out.shape != (self.layout.num_rows, self.layout.row_width):
+        expected = (self.layout.num_rows, self.layout.row_words)
+        if out.shape != expected or out.dtype != self.layout.word_dtype:
             raise ValueError(
-                f"table {self.table!r}: export target of shape {out.shape}, expected "
-                f"{(self.layout.num_rows, self.layout.row_width)}"
+                f"table {self.table!r}: export target of shape {out.shape} ({out.dtype}), "
+                f"expected {expected} ({self.layout.word_dtype})"
             )
+
+    def mapped_rows_written(self) -> None:
+        """Says rows were written through :meth:`mapped_rows` (which bypasses the store): a
+        store that keeps a copy of its memory elsewhere (the DRAM tier's file) makes it whole
+        again at the next :meth:`flush`, and :attr:`version` moves on."""
+        with self._write_lock:
+            self.version += 1
 
     def __enter__(self) -> RowStore:
         return self
@@ -588,25 +626,28 @@ def contiguous_start(ids: IdArray) -> int | None:
     return first
 
 
-def gather_rows(rows: npt.NDArray[Any], ids: IdArray, out: RowArray) -> None:
-    """Copies ``rows[ids]`` into ``out`` for the tiers whose rows are an array (memory or a
-    mapping): a slice for a range of ids, else a gather, converting the dtype if needed."""
+def gather_rows(rows: WordArray, ids: IdArray, out: RowArray, layout: RowLayout) -> None:
+    """Copies ``rows[ids]`` (stored words) into ``out`` (float32 rows) for the tiers whose rows
+    are an array (memory or a mapping): a slice for a range of ids, else a gather, decoding
+    packed rows (:meth:`RowLayout.decode`)."""
     start = contiguous_start(ids)
     if start is not None:
-        out[...] = rows[start : start + ids.size]
-    elif rows.dtype == out.dtype:
+        layout.decode(rows[start : start + ids.size], out)
+    elif not layout.packed:
         np.take(rows, ids, axis=0, out=out)
     else:
-        out[...] = rows[ids]
+        layout.decode(rows[ids], out)
 
 
-def scatter_rows(rows: npt.NDArray[Any], ids: IdArray, values: RowArray) -> None:
-    """Stores ``values`` at ``rows[ids]`` (a slice for a range of ids); see :func:`gather_rows`."""
+def scatter_rows(rows: WordArray, ids: IdArray, values: RowArray, layout: RowLayout) -> None:
+    """Stores float32 ``values`` at ``rows[ids]`` as words (a slice for a range of ids); see
+    :func:`gather_rows`."""
+    words = layout.encode(values)
     start = contiguous_start(ids)
     if start is not None:
-        rows[start : start + ids.size] = values
+        rows[start : start + ids.size] = words
     else:
-        rows[ids] = values
+        rows[ids] = words
 
 
 def check_table_name(table: str) -> None:

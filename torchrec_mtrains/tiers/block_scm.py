@@ -37,7 +37,7 @@ from torchrec_mtrains.tiers._blockio import (
 from torchrec_mtrains.tiers.base import DATA_OFFSET, IdArray, OpenMode, RowArray, RowStore
 from torchrec_mtrains.tiers.options import BlockScmOptions, TierOptions
 from torchrec_mtrains.tiers.registry import register_tier, resolve_options
-from torchrec_mtrains.types import RowLayout
+from torchrec_mtrains.types import WORD_BYTES, RowLayout
 
 
 @dataclass(frozen=True)
@@ -192,10 +192,10 @@ class BlockSCMStore(RowStore, PassReader):
         return _Geometry(blocks, buf_pos.astype(np.int64), coverage)
 
     def _rows_in(self, data: U8Array, buf_pos: I64Array) -> _RowsView:
-        """The rows at ``buf_pos`` in a pass's bytes: a plain view when they lie back to back
-        (a range of ids), else an element index to gather or scatter through."""
-        elements = data.view(self.layout.dtype.numpy_dtype)
-        itemsize, width = self.layout.dtype.itemsize, self.layout.row_width
+        """The rows at ``buf_pos`` in a pass's bytes, as stored words: a plain view when they
+        lie back to back (a range of ids), else a word index to gather or scatter through."""
+        elements = data.view(self.layout.word_dtype)
+        itemsize, width = WORD_BYTES, self.layout.row_words
         n = buf_pos.size
         first = int(buf_pos[0]) // itemsize
         if int(buf_pos[-1]) - int(buf_pos[0]) == (n - 1) * self.layout.row_bytes and (
@@ -239,7 +239,7 @@ class BlockSCMStore(RowStore, PassReader):
             )
             calls += pass_calls
             elements, index = self._rows_in(data, geo.buf_pos)
-            out[part if order is None else order[part]] = (
+            out[part if order is None else order[part]] = self.layout.decode(
                 elements if index is None else elements[index]
             )
             moved += nbytes
@@ -263,9 +263,9 @@ class BlockSCMStore(RowStore, PassReader):
                     read_back += partial.size * bs
                 elements, index = self._rows_in(buf.array[:nbytes], geo.buf_pos)
                 if index is None:
-                    elements[...] = rows[part]
+                    elements[...] = self.layout.encode(rows[part])
                 else:
-                    elements[index] = rows[part]
+                    elements[index] = self.layout.encode(rows[part])
                 calls += self._io(True, buf, np.arange(geo.blocks.size), geo.blocks)
             finally:
                 self._buffers.give(buf)

@@ -91,10 +91,10 @@ class ByteSCMStore(RowStore):
             os.close(fd)  # the mapping keeps its own reference to the file
         self._rows: npt.NDArray[Any] = np.frombuffer(
             self._mmap,
-            dtype=layout.dtype.numpy_dtype,
-            count=layout.num_rows * layout.row_width,
+            dtype=layout.word_dtype,
+            count=layout.num_rows * layout.row_words,
             offset=self.data_offset,
-        ).reshape(layout.num_rows, layout.row_width)
+        ).reshape(layout.num_rows, layout.row_words)
         if numa_node is not None:
             self._bind(numa_node, size)
 
@@ -147,16 +147,16 @@ class ByteSCMStore(RowStore):
         logger.debug("%s: mapping bound to NUMA node %d", self.path, node)
 
     def mapped_rows(self) -> npt.NDArray[Any]:
-        """The ``(num_rows, row_width)`` view of the mapping in storage dtype; stores through it
+        """The ``(num_rows, row_words)`` view of the mapping (stored words); stores through it
         reach the file (durable after :meth:`flush`)."""
         return self._rows
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        gather_rows(self._rows, ids, out)
+        gather_rows(self._rows, ids, out, self.layout)
         return ids.size * self.layout.row_bytes, 0
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        scatter_rows(self._rows, ids, rows)
+        scatter_rows(self._rows, ids, rows, self.layout)
         return ids.size * self.layout.row_bytes, 0
 
     def _flush(self) -> int:

@@ -36,7 +36,7 @@ _IO_BYTES = 64 << 20
 
 @register_tier
 class DramStore(RowStore):
-    """Rows in host memory (storage dtype), loaded from the file on open and written back to
+    """Rows in host memory (stored words), loaded from the file on open and written back to
     it on :meth:`flush` / :meth:`close`. New tables start zero-filled.
 
     Args:
@@ -73,7 +73,7 @@ class DramStore(RowStore):
         except OSError as e:
             raise self._os_error(e, "opening") from e
         # np.zeros is calloc-backed: untouched pages of a new table cost no memory.
-        self._rows = np.zeros((layout.num_rows, layout.row_width), dtype=layout.dtype.numpy_dtype)
+        self._rows = np.zeros((layout.num_rows, layout.row_words), dtype=layout.word_dtype)
         self._bytes = self._rows.reshape(-1).view(np.uint8).data
         self._chunk_rows = max(1, _CHUNK_BYTES // layout.row_bytes)
         self._dirty = np.zeros(-(-layout.num_rows // self._chunk_rows), dtype=bool)
@@ -85,9 +85,13 @@ class DramStore(RowStore):
                 raise
 
     def mapped_rows(self) -> npt.NDArray[Any]:
-        """The in-memory ``(num_rows, row_width)`` array (storage dtype); writes through it are
-        not tracked, so they reach the file only if the same rows are also written normally."""
+        """The in-memory ``(num_rows, row_words)`` array of stored words; writes through it
+        reach the file at the next :meth:`flush` once :meth:`mapped_rows_written` says so."""
         return self._rows
+
+    def mapped_rows_written(self) -> None:
+        super().mapped_rows_written()
+        self._dirty[:] = True
 
     def _load(self) -> None:
         total = len(self._bytes)
@@ -104,11 +108,11 @@ class DramStore(RowStore):
             pos += n
 
     def _read_rows(self, ids: IdArray, out: RowArray) -> tuple[int, int]:
-        gather_rows(self._rows, ids, out)
+        gather_rows(self._rows, ids, out, self.layout)
         return ids.size * self.layout.row_bytes, 0
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        scatter_rows(self._rows, ids, rows)
+        scatter_rows(self._rows, ids, rows, self.layout)
         self._dirty[ids // self._chunk_rows] = True
         return ids.size * self.layout.row_bytes, 0
 

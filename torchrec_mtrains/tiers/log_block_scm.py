@@ -84,7 +84,7 @@ from torchrec_mtrains.tiers.base import (
 )
 from torchrec_mtrains.tiers.options import LogBlockScmOptions, TierOptions
 from torchrec_mtrains.tiers.registry import register_tier, resolve_options
-from torchrec_mtrains.types import RowLayout
+from torchrec_mtrains.types import WORD_BYTES, RowLayout
 
 _logger: logging.Logger = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ class LogBlockSCMStore(RowStore, PassReader):
         chunk_rows: int = 65_536,
         written: Callable[[], None] | None = None,
     ) -> None:
-        """Copies every row into ``out`` (``(num_rows, row_width)`` in storage dtype, e.g. a
+        """Copies every row into ``out`` (``(num_rows, row_words)`` stored words, e.g. a
         file mapping) by sequential I/O only: reading rows by id would be one random read
         per row, and writing them into ``out`` in the log's order would touch its pages at
         random (under a memory cap, a mapping much larger than memory then rereads a page for
@@ -364,7 +364,7 @@ class LogBlockSCMStore(RowStore, PassReader):
         a killed export leaves behind are removed when the file is next opened."""
         self._check_export_target(out)
         rb, n = self.geometry.row_bytes, self.layout.num_rows
-        dtype = self.layout.dtype.numpy_dtype
+        dtype = self.layout.word_dtype
         range_rows = max(1, self.options.max_pass_bytes // (rb + 8))
         with self._write_lock, self._gate.reading():
             if range_rows >= n:
@@ -426,14 +426,13 @@ class LogBlockSCMStore(RowStore, PassReader):
         return out
 
     def read_scan_batch(self, batch: ScanBatch) -> tuple[I64Array, npt.NDArray[Any]]:
-        """The ids and rows (``(rows, row_width)`` in storage dtype) of one of
-        :meth:`scan_batches`, segment by segment (ids ascending within one).
+        """The ids and rows (float32 ``(rows, row_width)``: weights, then optimizer state) of
+        one of :meth:`scan_batches`, segment by segment (ids ascending within one).
 
         Raises:
             RowStoreError: when the table was written since the batches were listed (they no
                 longer describe it), naming the file.
         """
-        dtype = self.layout.dtype.numpy_dtype
         with self._write_lock, self._gate.reading():
             self._check_scan(batch)
             owners, raw = self._read_segments(batch.first_segment, batch.segments)
@@ -442,7 +441,7 @@ class LogBlockSCMStore(RowStore, PassReader):
                 f"{self.path}: segments {batch.first_segment}..+{batch.segments} hold "
                 f"{owners.size} rows, the segment table says {batch.rows}"
             )
-        return owners, raw.view(dtype).reshape(owners.size, -1)
+        return owners, self.layout.decode(raw.reshape(owners.size, -1))
 
     def scan_batch_ids(self, batch: ScanBatch) -> I64Array:
         """The ids of one of :meth:`scan_batches`, in the order :meth:`read_scan_batch` gives
@@ -750,14 +749,17 @@ class LogBlockSCMStore(RowStore, PassReader):
             return moved_calls
 
     def _gather(self, slots: I64Array) -> tuple[npt.NDArray[Any], int, int]:
-        """Rows at ``slots`` in storage dtype; returns the rows, bytes and calls."""
-        out = np.empty((slots.size, self.layout.row_width), self.layout.dtype.numpy_dtype)
-        moved, calls = self._drive(self._gather_passes(slots, out))
+        """Rows at ``slots`` as stored words; returns the rows, bytes and calls."""
+        out = np.empty((slots.size, self.layout.row_words), self.layout.word_dtype)
+        moved, calls = self._drive(self._gather_passes(slots, out, decode=False))
         return out, moved, calls
 
-    def _gather_passes(self, slots: I64Array, out: npt.NDArray[Any]) -> ReadSteps:
-        """Rows at ``slots`` into ``out``, reading the blocks that cover them in merged runs,
-        in passes of at most ``max_pass_bytes``."""
+    def _gather_passes(
+        self, slots: I64Array, out: npt.NDArray[Any], decode: bool = True
+    ) -> ReadSteps:
+        """Rows at ``slots`` into ``out`` (float32 rows, or stored words unless ``decode``),
+        reading the blocks that cover them in merged runs, in passes of at most
+        ``max_pass_bytes``."""
         bs, rb = self.block_size, self.geometry.row_bytes
         offsets = self.geometry.offsets(slots)
         order = None
@@ -774,13 +776,14 @@ class LogBlockSCMStore(RowStore, PassReader):
                 self._fd, nbytes, run_start * bs, blocks[run_start] * bs, run_len * bs
             )
             calls += pass_calls
-            elements = data.view(self.layout.dtype.numpy_dtype)
+            elements = data.view(self.layout.word_dtype)
             dest = np.arange(part.start, part.stop) if order is None else order[part]
-            starts = buf_pos // self.layout.dtype.itemsize
-            width = np.arange(self.layout.row_width, dtype=np.int64)
+            starts = buf_pos // WORD_BYTES
+            width = np.arange(self.layout.row_words, dtype=np.int64)
             for a in range(0, starts.size, _GATHER_ROWS):  # bounds the element index
                 index = starts[a : a + _GATHER_ROWS, None] + width
-                out[dest[a : a + _GATHER_ROWS]] = elements[index]
+                words = elements[index]
+                out[dest[a : a + _GATHER_ROWS]] = self.layout.decode(words) if decode else words
             moved += nbytes
         return moved, calls
 
@@ -800,8 +803,7 @@ class LogBlockSCMStore(RowStore, PassReader):
     # ------------------------------------------------------------------------------- writes
 
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
-        data = rows.astype(self.layout.dtype.numpy_dtype, copy=False)
-        raw = np.ascontiguousarray(data).view(np.uint8).reshape(ids.size, -1)
+        raw = self.layout.encode(rows).view(np.uint8).reshape(ids.size, -1)
         # Rows whose append (with a partial block at each end of each segment it spans) fits
         # one pass's buffer.
         geo, budget = self.geometry, self._max_pass_blocks * self.block_size
