@@ -72,7 +72,6 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
-from torchrec_mtrains.tiers import resolve_options
 
 CPU = torch.device("cpu")
 LEARNING_RATE = 0.05
@@ -164,9 +163,8 @@ def build(case: SweepCase, root: Path | None) -> DistributedModelParallel:
             else EmbeddingCollectionSharder(fused_params=fused)
         )
     else:
-        block = (
-            {} if case.block_layout == "flat" else {"block_scm": resolve_options("log_block_scm")}
-        )
+        # Named either way: the block tier's default layout is the log.
+        block = {"block_scm": {"layout": case.block_layout}}
         storage = TierStorage(root=str(root), tier_options=block)
         hot = {t.name: list(range(t.hot_rows)) for t in case.tables if t.tiered and t.hot_rows}
         cls = (

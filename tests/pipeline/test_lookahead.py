@@ -64,7 +64,7 @@ def tier_rows(model: DistributedModelParallel) -> dict[str, np.ndarray[Any, Any]
     out = {}
     for group in groups_of(model):
         for i, shard in enumerate(group.shards):
-            out[shard.name] = np.array(group.views.mapped_rows(i))
+            out[shard.name] = shard.store.layout.decode(group.views.tier_rows(i)).copy()
     return out
 
 

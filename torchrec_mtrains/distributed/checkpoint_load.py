@@ -96,18 +96,17 @@ def load_tier_checkpoint(
         # flush, and be compacted away after it.
         for region in _wholly_loaded(flat, regions):
             region.shard.store.clear()
-    through_views: set[tuple[int, int]] = set()
     for key, value in flat.items():  # dcp writes these into the views: copies must be current
         if key in metadata:
             for _, region in tiered_shards(value, regions) or []:
                 if region.copy:
                     region.group.views.mark_written(region.index)
-                    through_views.add((id(region.group), region.index))
     dcp_load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=True))
-    for region in regions:  # stored before any saved row is written to the tier directly
-        if (id(region.group), region.index) in through_views:
-            region.group.views.persist_writes(region.index)
+    for group in groups:  # stored before any saved row is written to the tier directly
+        group.absorb_view_writes(loaded=True)
     _apply_saved(state, checkpoint, metadata, saved, regions)
+    for group in groups:  # saved rows written through views of flat tiers
+        group.absorb_view_writes(loaded=True)
     release_freed_memory()  # the batches' memory, kept by the C heap otherwise
 
 

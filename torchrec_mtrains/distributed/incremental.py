@@ -217,12 +217,11 @@ def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
         layout = [[path, *table.tensors[path]] for path in table.tensors]
         out[entry_key(ROWS_PREFIX, weights, where, "layout")] = json.dumps(layout)
         reads = _BatchReads()
-        dtype = table.region.group.views.mapped_rows(table.region.index).dtype
         for k, batch in enumerate(store.scan_batches()):  # type: ignore[attr-defined]
             ids_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::ids")
             rows_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::rows")
             out[ids_key] = _stand_in((batch.rows,), torch.int64)
-            out[rows_key] = _stand_in((batch.rows, store.layout.row_width), dtype)
+            out[rows_key] = _stand_in((batch.rows, store.layout.row_width), torch.float32)
             gathers[ids_key] = _ScanIds(store, batch, shard.row_offset)
             gathers[rows_key] = _ScanRows(store, batch, reads)
             rows += batch.rows

@@ -160,10 +160,10 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     The cache holds the newest optimizer state of its rows, so reading the state (TorchRec's
     ``CombinedOptimizer.state_dict()`` reads ``state`` of each optimizer) first writes dirty
-    cached rows back, and loading a state dict (copied into the tier views in place) stores the
-    loaded rows through the tier's API (so the dram tier persists them) and re-reads the state
-    of every cached row from the tier. Otherwise a save would miss recent updates and a load
-    would be undone by stale cached rows."""
+    cached rows back, and loading a state dict (copied into the tier views in place, by
+    ``load_state_dict`` or by the user, e.g. ``dcp.load``) reaches the tiers and the cached
+    rows (see :meth:`TieredTableGroup.absorb_view_writes`). Otherwise a save would miss recent
+    updates and a load would be undone by stale cached rows."""
 
     def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
         self._tiers = tiers
@@ -190,8 +190,11 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         return self._tier_state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        # State that is not this optimizer's own views is copied into them: copies of
-        # log-structured tables must be current first (see TierViews.mark_written).
+        # What was written through the views before is taken in first (a state dict the user
+        # loaded in place, e.g. with dcp). State that is not this optimizer's own views is
+        # copied into them: copies of log-structured tables must be current first (see
+        # TierViews.mark_written).
+        self._tiers.absorb_view_writes()
         own = {id(v) for states in self._tier_state.values() for v in states.values()}
         foreign = any(
             id(v) not in own for states in state_dict["state"].values() for v in states.values()
@@ -203,8 +206,9 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
-        self._tiers.views.persist_writes()
-        self._tiers.reload_cached_states()
+        # The loaded state goes to the tiers and to the cached rows (whose weights stay).
+        # (DMP's combined optimizer loads into this one's state and calls this alone.)
+        self._tiers.absorb_view_writes(loaded=True)
 
 
 class _TieredKernelMixin:

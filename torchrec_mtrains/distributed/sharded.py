@@ -379,7 +379,9 @@ class _TieredShardedMixin:
 
     def _load_tiered_state(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Copies tiered tables out of ``state_dict`` into their tiers, chunk by chunk, and
-        removes their keys so TorchRec's own loading skips them."""
+        removes their keys so TorchRec's own loading skips them. (TorchRec's pre-load hook
+        has purged the caches, taking in what was written through the views before.)"""
+        loaded: set[int] = set()
         for name in self._tiered_table_names():
             key = f"{prefix}{self._tables_attr}.{name}.weight"
             if key not in state_dict:
@@ -389,6 +391,7 @@ class _TieredShardedMixin:
             if value is not mine:  # foreign rows go through the views: bring copies up to date
                 for group, i, _ in self._tiered_shards(name):
                     group.views.mark_written(i)
+            loaded.update(id(group) for group, _, _ in self._tiered_shards(name))
             with torch.no_grad():
                 if isinstance(value, ShardedTensor):
                     _copy_sharded(value, mine, name)
@@ -405,8 +408,9 @@ class _TieredShardedMixin:
                         shard.tensor.copy_(value[rows, cols])
                 else:
                     raise TypeError(f"state_dict[{key!r}]: unexpected type {type(value).__name__}")
-            for group, i, _ in self._tiered_shards(name):
-                group.views.persist_writes(i)
+        for group in self.tiered_groups():
+            if id(group) in loaded:
+                group.absorb_view_writes(loaded=True)
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cache and tier counters per tiered table shard on this rank."""

@@ -74,8 +74,10 @@ class TierRegion:
         return self.group.shards[self.index]
 
     def column(self, view: torch.Tensor) -> int:
-        """The first row column a view of this region shows."""
-        return (view.data_ptr() - self.start) % self.row_bytes // view.element_size()
+        """The first row value (``0 .. row_width``: weights, then optimizer state) a view of
+        this region shows."""
+        offset = (view.data_ptr() - self.start) % self.row_bytes
+        return self.shard.store.layout.column_at(offset)
 
     def first_row(self, view: torch.Tensor) -> int:
         return (view.data_ptr() - self.start) // self.row_bytes
@@ -85,12 +87,17 @@ def tier_regions(groups: Sequence[TieredTableGroup]) -> list[TierRegion]:
     regions = []
     for group in groups:
         for index in range(len(group.shards)):
-            rows = group.views.mapped_rows(index)
-            start = rows.data_ptr()
-            end = start + rows.numel() * rows.element_size()
-            row_bytes = rows.stride(0) * rows.element_size()
+            rows = group.views.tier_rows(index)
+            start = rows.ctypes.data
             regions.append(
-                TierRegion(group, index, start, end, row_bytes, group.views.is_copy(index))
+                TierRegion(
+                    group,
+                    index,
+                    start,
+                    start + rows.nbytes,
+                    rows.strides[0],
+                    group.views.is_copy(index),
+                )
             )
     return regions
 

@@ -280,6 +280,7 @@ class TieredTableGroup:
         the worker waits for, and the worker checks them; an id out of range then raises in the
         batch's forward, before its lookup, and nothing of the batch is read or written."""
         self._check_no_reported_error()
+        self.absorb_view_writes()
         batch = _PlannedBatch(values, list(lengths_per_feature))
         if self.io.background and values.device.type == "cuda":
             batch.host_ids, batch.ids_ready = RowCopyStreams.to_host(values)
@@ -393,6 +394,7 @@ class TieredTableGroup:
         The batch's rows stay held until the next batch is remapped, i.e. until its backward
         has updated them."""
         self._check_no_reported_error()
+        self.absorb_view_writes()
         batch = self._take_prefetched(values, lengths_per_feature)
         # The previous batch's backward is done: its rows may be evicted from here on.
         self._release_in_flight()
@@ -549,6 +551,7 @@ class TieredTableGroup:
 
         Rows of a training batch whose backward has not run yet stay marked dirty (unless
         ``keep_in_flight_dirty`` is false), since the backward will still update them."""
+        self.absorb_view_writes()
         self.drain()
         for i, shard in enumerate(self.shards):
             ids, slots = shard.cache.dirty_rows()
@@ -598,28 +601,79 @@ class TieredTableGroup:
             for table in self.resident:
                 table.changed.zero_()
 
-    @torch.no_grad()
-    def reload_cached_states(self) -> None:
-        """Re-reads the optimizer state of every cached row from its tier, keeping the cached
-        weights (which may be newer than the tier's): used after a checkpoint load wrote the
-        optimizer state to the tiers directly."""
-        self.drain()  # no batch is being planned meanwhile
-        for shard in self.shards:
-            resident_ids, resident_slots = shard.cache.resident()
-            if not shard.state_slots:
-                continue
-            for first in range(0, int(resident_ids.numel()), FLUSH_CHUNK_ROWS):
-                ids = resident_ids[first : first + FLUSH_CHUNK_ROWS]
-                rows = torch.from_numpy(shard.store.read_rows(ids.numpy()))
-                dev_slots = resident_slots[first : first + FLUSH_CHUNK_ROWS].to(
-                    shard.weight_slots.device
+    # ------------------------------------------------------------ writes through the views
+
+    def absorb_view_writes(self, loaded: bool = False) -> None:
+        """Takes in what was written in place through the views (:class:`TierViews`: the
+        tensors ``state_dict()`` and the fused optimizer's state hand out): the tier gets it,
+        and so do the cached rows, as TorchRec's FUSED kernel, whose state-dict tensors alias
+        its weights, would have them. Runs before anything reads or writes the rows (a batch's
+        planning, a flush, a state dict); costs a version check per part of each table when
+        nothing was written.
+
+        Each part written (the weights, or an optimizer state) is taken whole from the view:
+        exact when the view was taken after the rows last trained (``state_dict()`` syncs the
+        tiers), the case of ``copy_state_dict`` or ``dcp.load(model.state_dict())``. A write
+        through tensors taken *before* later training steps (a stale state dict) cannot be told
+        from the rows those steps changed since; it wins over them, and a warning names the
+        table (take the state dict again after training, then write).
+
+        Args:
+            loaded: the writes are a checkpoint load's (this package's own loaders): they do
+                not count as rows changed by training for incremental checkpoints.
+        """
+        written = [(i, parts) for i in range(len(self.shards)) if (parts := self.views.written(i))]
+        if not written:
+            return
+        self.drain()  # queued moves finish first: nothing writes a tier meanwhile
+        for batch in self._pending:  # (on CUDA: their rows' copies into the cache too)
+            self.io.copies.wait(batch.rows_ready)
+        for index, parts in written:
+            shard = self.shards[index]
+            stale = self.views.store_writes(index, parts)
+            columns = [self.views.part_columns(index, part) for part in parts]
+            overridden = self._reload_cached(shard, columns)
+            if (stale or overridden) and not loaded:
+                since = (
+                    f"{overridden} of its cached rows trained since"
+                    if overridden
+                    else "training changed its tier since"
                 )
-                start = shard.cols
-                for view in shard.state_slots:
-                    width = view.shape[1]
-                    part = rows[:, start : start + width].to(view.device, view.dtype)
-                    view.index_copy_(0, dev_slots, part)
-                    start += width
+                logger.warning(
+                    "table %r: its %s were written through tensors a state_dict() handed out "
+                    "before %s; the written values replace those of every row (take the state "
+                    "dict again after training to write some rows only)",
+                    shard.name,
+                    ", ".join(parts),
+                    since,
+                )
+            if self._changed is not None and not loaded:
+                self._changed[index][:] = True  # which rows the write changed is unknown
+            self.views.mark_seen(index)
+
+    @torch.no_grad()
+    def _reload_cached(self, shard: TieredTableShard, columns: Sequence[slice]) -> int:
+        """Re-reads the row values ``columns`` of every cached row of ``shard`` from its tier,
+        keeping the others (the cache's, which may be newer). Returns how many of those rows
+        were dirty (trained since they were last written back), now overridden."""
+        resident_ids, resident_slots = shard.cache.resident()
+        targets = [(slice(0, shard.cols), shard.weight_slots)]
+        start = shard.cols
+        for view in shard.state_slots:
+            targets.append((slice(start, start + int(view.shape[1])), view))
+            start += int(view.shape[1])
+        wanted = [(c, t) for c, t in targets if any(c == w for w in columns)]
+        if not wanted or not resident_ids.numel():
+            return 0
+        overridden = int(shard.cache.dirty[resident_slots].sum())
+        device = shard.weight_slots.device
+        for first in range(0, int(resident_ids.numel()), FLUSH_CHUNK_ROWS):
+            ids = resident_ids[first : first + FLUSH_CHUNK_ROWS]
+            rows = torch.from_numpy(shard.store.read_rows(ids.numpy()))
+            dev_slots = resident_slots[first : first + FLUSH_CHUNK_ROWS].to(device)
+            for cols, tensor in wanted:
+                tensor.index_copy_(0, dev_slots, rows[:, cols].to(device, tensor.dtype))
+        return overridden
 
     def purge(self) -> None:
         """Writes dirty rows back, then empties the caches, so the next batch reads every row
