@@ -199,12 +199,16 @@ def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
         found = tiered_shards(value, regions)
         if found is None or not all(region.copy for _, region in found):
             return False
-        shard, region = found[0]
-        table = tables.setdefault(id(region), _LogTable(region))
-        one_d = shard.tensor.dim() == 1
-        width = 1 if one_d else int(shard.tensor.shape[1])
-        global_col = 0 if one_d else int(shard.metadata.shard_offsets[1])
-        table.tensors[path] = (region.column(shard.tensor), width, one_d, global_col)
+        # Every tiered shard the tensor's local shards view (a table's column shards on one
+        # rank each have their own), described by its first chunk.
+        for shard, region in found:
+            table = tables.setdefault(id(region), _LogTable(region))
+            if path in table.tensors:
+                continue
+            one_d = shard.tensor.dim() == 1
+            width = 1 if one_d else int(shard.tensor.shape[1])
+            global_col = 0 if one_d else int(shard.metadata.shard_offsets[1])
+            table.tensors[path] = (region.column(shard.tensor), width, one_d, global_col)
         return True
 
     out = _replace(state, replaced)
