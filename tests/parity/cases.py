@@ -2,8 +2,11 @@
 
 A :class:`SweepCase` is everything that decides a run: the module (EBC or EC, weighted, pooling,
 variable batch per feature), its tables (rows, dim, features, placement, sharding, cache size,
-policy, pinned hot rows), the optimizer, the training loop and the batches' seed. It round-trips
-through one line of JSON (:meth:`SweepCase.to_line`), which is what a failure prints so that
+policy, pinned hot rows), the tables' data type, the optimizer, the training loop, the batches'
+seed, and what is done to the model's state between training steps (:data:`OPS`: writes into
+the state dict in place, learning-rate changes, checkpoints saved and loaded into the same model
+or a fresh one at the same or another world size). It round-trips through one line of JSON
+(:meth:`SweepCase.to_line`), which is what a failure prints so that
 ``python -m tests.parity.sweep --case '<line>'`` runs it again.
 
 :func:`draw_case` draws a case from a seeded ``random.Random`` over the axes TorchRec offers on
@@ -39,6 +42,24 @@ LOOPS = (
 )  # look-ahead 0, 2, and TorchRec's TrainPipelineSparseDist
 LOOKAHEAD = 2
 MAX_ROWS = 100_000
+DTYPES = ("fp32", "fp16")  # what TorchRec's FUSED kernel trains on the CPU
+
+OPS = ("train", "write", "lr", "save", "load")
+"""What a case's schedule does, one op a string (``ops``):
+
+* ``train:K``: K training steps in the case's loop (a pipeline runs them and is done);
+* ``write:SEED:PART``: take ``state_dict()`` and ``fused_optimizer.state_dict()`` and write
+  values drawn from SEED into them in place: ``all`` (weights and optimizer states, every
+  row), ``some`` (both, a quarter of the rows), ``weights`` or ``state`` (every row of one);
+* ``lr:X``: set the learning rate through ``fused_optimizer.param_groups`` (steps apply it);
+* ``save:KIND``: a checkpoint of model and optimizer, ``dcp`` (``dcp.save`` of the state dicts)
+  or, for the tiered model, ``full`` / ``inc`` (this package's full and incremental
+  checkpoints, a chain; the reference saves with dcp);
+* ``load:TARGET:WORLD:HOW``: load the last checkpoint (its chain) into the ``same`` model or a
+  ``fresh`` one at world size WORLD: ``inplace`` (``dcp.load`` into the state dicts, nothing
+  after) or ``load_state_dict`` (then ``load_state_dict`` of both); a chain loads with
+  ``load_tier_checkpoint`` and then ``load_state_dict``, as the app does.
+"""
 
 
 @dataclass(frozen=True)
@@ -88,12 +109,38 @@ class SweepCase:
     steps: int = 6
     seed: int = 0
     tables: tuple[TableDraw, ...] = field(default_factory=tuple)
+    dtype: str = "fp32"
+    ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         tables = tuple(t if isinstance(t, TableDraw) else TableDraw(**t) for t in self.tables)
         object.__setattr__(
             self, "tables", tuple(replace(t, features=tuple(t.features)) for t in tables)
         )
+        object.__setattr__(self, "ops", tuple(self.ops))
+
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        """The ops the case runs (a case without ops trains ``steps`` steps)."""
+        return self.ops or (f"train:{self.steps}",)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(int(op.split(":")[1]) for op in self.schedule if op.startswith("train:"))
+
+    @property
+    def worlds(self) -> list[int]:
+        """The world sizes its models run at: the case's, then any a load moves to."""
+        out = [self.world_size]
+        for op in self.schedule:
+            if op.startswith("load:fresh:") and int(op.split(":")[2]) not in out:
+                out.append(int(op.split(":")[2]))
+        return out
+
+    @property
+    def job_world(self) -> int:
+        """The ranks a run of the case needs."""
+        return max(self.worlds)
 
     @property
     def features(self) -> list[str]:
@@ -128,9 +175,10 @@ class SweepCase:
         """A short summary for logs: module, pattern, loop, world size."""
         module = self.kind + ("-weighted" if self.weighted else "") + ("-vbe" if self.vbe else "")
         shardings = "/".join(sorted({t.sharding for t in self.tables}))
+        ops = f" [{' '.join(self.ops)}]" if self.ops else ""
         return (
-            f"{module} {self.pattern} {shardings} {self.optimizer} {self.loop} "
-            f"w{self.world_size} seed {self.seed}"
+            f"{module} {self.pattern} {shardings} {self.dtype} {self.optimizer} {self.loop} "
+            f"w{'->'.join(map(str, self.worlds))} seed {self.seed}{ops}"
         )
 
 
@@ -148,6 +196,39 @@ def _hot_rows(rng: random.Random, rows: int, sharding: str, world_size: int) -> 
     if shard_rows < 2 or rng.random() < 0.6:
         return 0
     return rng.randint(1, min(shard_rows - 1, 16))
+
+
+def draw_ops(rng: random.Random, world_size: int, switch_worlds: bool) -> tuple[str, ...]:
+    """A random schedule (see :data:`OPS`): training, then one to four state operations each
+    followed by more training. A load follows a save; an incremental save follows a full one
+    in its chain (after a load, the loaded chain); a load into a fresh model may change the
+    world size (1 <-> 2) once, when ``switch_worlds``."""
+    ops = [f"train:{rng.randint(1, 3)}"]
+    saved: str | None = None  # the kind of the last checkpoint
+    chain = False  # a full checkpoint starts the chain an incremental one extends
+    world, switched = world_size, False
+    for _ in range(rng.randint(1, 4)):
+        choices = ["write", "lr", "save"] + (["load", "load"] if saved else [])
+        op = rng.choice(choices)
+        if op == "write":
+            ops.append(
+                f"write:{rng.randrange(10**6)}:{rng.choice(('all', 'some', 'weights', 'state'))}"
+            )
+        elif op == "lr":
+            ops.append(f"lr:{rng.choice((0.01, 0.02, 0.1))}")
+        elif op == "save":
+            kind = rng.choice(("dcp", "full", "inc") if chain else ("dcp", "full"))
+            chain = kind != "dcp"
+            saved = kind
+            ops.append(f"save:{kind}")
+        else:
+            target = rng.choice(("same", "fresh"))
+            if target == "fresh" and switch_worlds and not switched and rng.random() < 0.5:
+                world, switched = 3 - world, True
+            how = rng.choice(("inplace", "load_state_dict"))
+            ops.append(f"load:{target}:{world}:{how}")
+        ops.append(f"train:{rng.randint(1, 3)}")
+    return tuple(ops)
 
 
 def draw_case(
@@ -200,6 +281,10 @@ def draw_case(
                 hot_rows=_hot_rows(rng, rows, sharding, world_size),
             )
         )
+    dtype = rng.choice(DTYPES)
+    # TorchRec's row-wise VBE gathers uneven tensors, which gloo refuses: no move to 2 ranks.
+    switch = not (vbe and any(t.sharding == "row_wise" for t in tables))
+    ops = draw_ops(rng, world_size, switch) if rng.random() < 0.6 else ()
     return SweepCase(
         kind=kind,
         weighted=ebc and rng.random() < 0.3,
@@ -214,6 +299,8 @@ def draw_case(
         steps=rng.randint(3, 8),
         seed=seed,
         tables=tuple(tables),
+        dtype=dtype,
+        ops=ops,
     )
 
 
@@ -275,37 +362,39 @@ def _feature_ids(case: SweepCase, batch: Batch) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------ caches
 
 
-def shard_row_ranges(case: SweepCase, table: TableDraw) -> list[tuple[int, int]]:
+def shard_row_ranges(table: TableDraw, world_size: int) -> list[tuple[int, int]]:
     """Row range ``[lo, hi)`` of each of the table's shards that has its own cache (one per
     rank under row-wise sharding; column shards all see every row)."""
     if table.sharding == "row_wise":
-        per = math.ceil(table.rows / case.world_size)
-        return [(r * per, min(table.rows, (r + 1) * per)) for r in range(case.world_size)]
+        per = math.ceil(table.rows / world_size)
+        return [(r * per, min(table.rows, (r + 1) * per)) for r in range(world_size)]
     return [(0, table.rows)]
 
 
-def cache_rows_needed(case: SweepCase, table: TableDraw) -> list[tuple[int, int]]:
-    """Per row shard of a tiered ``table``: ``(local rows, smallest cache that trains)``.
+def cache_rows_needed(case: SweepCase, table: TableDraw, world_size: int) -> list[tuple[int, int]]:
+    """Per row shard of a tiered ``table`` at ``world_size``: ``(local rows, smallest cache
+    that trains)`` over every step of the case.
 
     A shard sees every rank's ids in its rows (TorchRec's input distribution routes them
     there). With look-ahead ``k``, ``k + 1`` batches hold their rows at once; pinned hot rows
     hold theirs for good, and pinning needs one slot to spare."""
     window = case.lookahead + 1
+    steps = case.total_steps
     ids_per_step = []
-    for step in range(case.steps):
+    for step in range(steps):
         parts = [
             ids
-            for rank in range(case.world_size)
+            for rank in range(world_size)
             for key, ids in _feature_ids(case, make_batch(case, rank, step)).items()
             if key in table.features
         ]
         ids_per_step.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64))
     out = []
-    for lo, hi in shard_row_ranges(case, table):
+    for lo, hi in shard_row_ranges(table, world_size):
         hot = torch.arange(min(table.hot_rows, table.rows))
         hot = hot[(hot >= lo) & (hot < hi)]
         need = max(int(hot.numel()) + 1, 1) if hot.numel() else 1
-        for first in range(case.steps):
+        for first in range(steps):
             ids = torch.cat([hot, *ids_per_step[first : first + window]])
             ids = ids[(ids >= lo) & (ids < hi)]
             need = max(need, int(torch.unique(ids).numel()))
@@ -313,11 +402,11 @@ def cache_rows_needed(case: SweepCase, table: TableDraw) -> list[tuple[int, int]
     return out
 
 
-def cache_load_factor(case: SweepCase, table: TableDraw) -> float:
-    """The factor giving each shard of ``table`` at least its drawn cache size: ``cache`` of
-    the way from the smallest cache that trains to the whole shard."""
+def cache_load_factor(case: SweepCase, table: TableDraw, world_size: int) -> float:
+    """The factor giving each shard of ``table`` at ``world_size`` at least its drawn cache
+    size: ``cache`` of the way from the smallest cache that trains to the whole shard."""
     factor = 0.0
-    for rows, need in cache_rows_needed(case, table):
+    for rows, need in cache_rows_needed(case, table, world_size):
         if rows == 0:
             continue
         target = need + table.cache * (rows - need)

@@ -3,21 +3,26 @@
 Each case (:mod:`tests.parity.cases`) builds two ``DistributedModelParallel`` models of one module:
 the reference, every table on TorchRec's FUSED kernel through TorchRec's stock sharders, and the
 tiered one, the case's tables on their tiers through this project's sharders. Both use the same
-shardings; the tiered model loads the reference's state dict, so both start from the same
-weights. The reference trains in a plain loop, the tiered model in the case's loop (plain, the
-look-ahead pipeline, or TorchRec's ``TrainPipelineSparseDist``), on the same batches. The loss
-reads the module's output by position (a ``KeyedTensor``'s ``values()``, an EC's features in the
-order it returns them), as a dense layer over the embeddings would, so an output in another
-order is a mismatch. Compared bit for bit: every step's loss and output order, then every local
-shard of every table's weights and optimizer state.
+shardings and start from the same weights (the tiered model loads the reference's initial state
+dict). Each goes through the case's schedule alone: training steps (the reference in a plain
+loop, the tiered model in the case's loop: plain, the look-ahead pipeline, or TorchRec's
+``TrainPipelineSparseDist``) and what users do to state between them (writes into the state
+dicts in place, learning-rate changes, checkpoints saved and loaded into the same or a fresh
+model, at the same or another world size; see :data:`tests.parity.cases.OPS`). The reference
+does the same with TorchRec's own means (dcp). The loss reads the module's output by position
+(a ``KeyedTensor``'s ``values()``, an EC's features in the order it returns them), as a dense
+layer over the embeddings would, so an output in another order is a mismatch. Compared bit for
+bit: every step's loss and output order, then every local shard of every table's weights and
+optimizer state at the end.
 
 Run it::
 
     python -m tests.parity.sweep --sweep 1000 --seed 0          # 1,000 drawn cases
     python -m tests.parity.sweep --case '<one line of JSON>'      # one case again
 
-A failure prints its case as one line that reruns it. World size 2 cases run in spawned gloo
-ranks on loopback.
+A failure prints its case as one line that reruns it. Cases that need two ranks (world size 2,
+or a load at world size 2) run in spawned gloo ranks on loopback; a model at world size 1 in
+such a job lives on rank 0 alone (in a one-rank subgroup).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 from torchrec.datasets.utils import Batch
@@ -50,8 +57,13 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import Awaitable, ModuleSharder, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.distributed.types import Awaitable, ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from tests.distributed.parity_harness import OPTIMIZERS, assembled_pairs, regions
@@ -70,8 +82,17 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
+from torchrec_mtrains.distributed.incremental import (
+    changed_state_dict,
+    clear_changes,
+    deferred_views,
+    full_state_dict,
+    load_tier_checkpoint,
+    track_changes,
+)
 from torchrec_mtrains.distributed.runtime import free_port, process_group
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
+from torchrec_mtrains.pipeline.stats import tiered_groups
 
 CPU = torch.device("cpu")
 LEARNING_RATE = 0.05
@@ -88,6 +109,7 @@ def _module(case: SweepCase) -> nn.Module:
             "num_embeddings": t.rows,
             "embedding_dim": t.dim,
             "feature_names": list(t.features),
+            "data_type": DataType.FP16 if case.dtype == "fp16" else DataType.FP32,
         }
         for t in case.tables
     ]
@@ -141,7 +163,7 @@ class SweepModel(nn.Module):
 
 def _generator(table: TableDraw, kernel: str, world_size: int) -> Any:
     if table.sharding == "table_wise":
-        return table_wise(rank=table.rank, compute_kernel=kernel)
+        return table_wise(rank=table.rank % world_size, compute_kernel=kernel)
     if table.sharding == "column_wise":
         ranks = [0, 0] if world_size == 1 else list(range(world_size))
         return column_wise(ranks=ranks, compute_kernel=kernel)
@@ -150,9 +172,16 @@ def _generator(table: TableDraw, kernel: str, world_size: int) -> Any:
     raise ValueError(f"unknown sharding {table.sharding!r}")
 
 
-def build(case: SweepCase, root: Path | None) -> DistributedModelParallel:
+def build(
+    case: SweepCase,
+    root: Path | None,
+    world_size: int | None = None,
+    pg: dist.ProcessGroup | None = None,
+) -> DistributedModelParallel:
     """The reference (``root`` None: every table FUSED, TorchRec's sharders) or the tiered
-    model (tier files under ``root``)."""
+    model (tier files under ``root``), at ``world_size`` (the case's by default) over ``pg``
+    (the default group when ``None``)."""
+    world = world_size or case.world_size
     fused = {"optimizer": OPTIMIZERS[case.optimizer], "learning_rate": LEARNING_RATE}
     sharder: ModuleSharder[nn.Module]
     tiered = root is not None
@@ -176,10 +205,10 @@ def build(case: SweepCase, root: Path | None) -> DistributedModelParallel:
     kernels = {t.name: TIERED_KERNEL if tiered and t.tiered else "fused" for t in case.tables}
     plan = construct_module_sharding_plan(
         _module(case),
-        {t.name: _generator(t, kernels[t.name], case.world_size) for t in case.tables},
+        {t.name: _generator(t, kernels[t.name], world) for t in case.tables},
         sharder=sharder,
-        local_size=case.world_size,
-        world_size=case.world_size,
+        local_size=world,
+        world_size=world,
         device_type="cpu",
     )
     if tiered:
@@ -187,13 +216,46 @@ def build(case: SweepCase, root: Path | None) -> DistributedModelParallel:
             if t.tiered:
                 options = TieredTableOptions(
                     tier=t.placement,
-                    cache_load_factor=cache_load_factor(case, t),
+                    cache_load_factor=cache_load_factor(case, t, world),
                     cache_policy=t.policy,
                 )
                 plan[t.name] = TieredParameterSharding.wrap(plan[t.name], options)
     return DistributedModelParallel(
-        SweepModel(case), device=CPU, plan=ShardingPlan({"emb": plan}), sharders=[sharder]
+        SweepModel(case),
+        env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),
+        device=CPU,
+        plan=ShardingPlan({"emb": plan}),
+        sharders=[sharder],
     )
+
+
+def _table_values(case: SweepCase, seed: int, part: str) -> dict[str, torch.Tensor]:
+    """Whole tables of values drawn from ``seed`` (the same on every rank): a table's weights
+    (``part`` ``weights``), or its optimizer state (non-negative, as accumulated squares are)."""
+    out = {}
+    for i, t in enumerate(case.tables):
+        g = torch.Generator().manual_seed(seed * 1009 + i * 31 + (part == "state"))
+        values = torch.randn(t.rows, t.dim, generator=g) * 0.1
+        out[t.name] = values.abs() if part == "state" else values
+    return out
+
+
+def _write(value: Any, table: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """Writes ``table`` (a whole table, or for a 1-D row-wise state its first column) into the
+    local shards of ``value`` in place, only at ``rows`` (a mask over the table) when given."""
+    for off, size, tensor in regions(value):
+        # A row-wise state of a column-wise table lists the rows once per column shard.
+        index = (torch.arange(off[0], off[0] + size[0])) % table.shape[0]
+        if tensor.dim() == 1:
+            src = table[index, 0]
+        else:
+            src = table[index, off[1] : off[1] + size[1]]
+        src = src.to(tensor.dtype)
+        if rows is None:
+            tensor.copy_(src)
+        else:
+            keep = rows[index]
+            tensor[keep] = src[keep]
 
 
 @torch.no_grad()
@@ -203,46 +265,213 @@ def set_weights(model: DistributedModelParallel, case: SweepCase) -> None:
     g = torch.Generator().manual_seed(10_007 + case.seed)
     weights = {t.name: torch.randn(t.rows, t.dim, generator=g) * 0.1 for t in case.tables}
     for key, value in model.state_dict().items():
-        table = key.split(".")[-2]
-        for off, size, tensor in regions(value):
-            tensor.copy_(weights[table][off[0] : off[0] + size[0], off[1] : off[1] + size[1]])
+        _write(value, weights[key.split(".")[-2]], None)
+
+
+@torch.no_grad()
+def write_state(model: DistributedModelParallel, case: SweepCase, seed: int, part: str) -> None:
+    """The ``write`` op: values drawn from ``seed`` written in place into the tensors
+    ``state_dict()`` and ``fused_optimizer.state_dict()`` hand out (see ``OPS``)."""
+    rows_of: dict[str, torch.Tensor | None] = {}
+    for i, t in enumerate(case.tables):
+        g = torch.Generator().manual_seed(seed * 7 + i)
+        rows_of[t.name] = torch.rand(t.rows, generator=g) < 0.25 if part == "some" else None
+    if part in ("all", "some", "weights"):
+        values = _table_values(case, seed, "weights")
+        for key, value in model.state_dict().items():
+            table = key.split(".")[-2]
+            _write(value, values[table], rows_of[table])
+    if part in ("all", "some", "state"):
+        values = _table_values(case, seed, "state")
+        for param, states in model.fused_optimizer.state_dict()["state"].items():
+            table = param.split(".")[-2]
+            for value in states.values():
+                _write(value, values[table], rows_of[table])
 
 
 # ----------------------------------------------------------------------------- training
 
 
-def _batches(case: SweepCase, rank: int) -> Iterator[Batch]:
-    return (make_batch(case, rank, step) for step in range(case.steps))
-
-
 def train(
-    model: DistributedModelParallel, case: SweepCase, rank: int, loop: str
+    model: DistributedModelParallel, case: SweepCase, rank: int, loop: str, steps: range
 ) -> list[tuple[float, tuple[str, ...]]]:
-    """Trains the case's steps in ``loop``; per step the loss and the output's key order."""
+    """Trains ``steps`` (global step numbers: their batches) in ``loop``; per step the loss and
+    the output's key order. Each step goes ``zero_grad()``, forward, backward, ``step()``, as
+    TorchRec's pipelines do: a learning rate set through the fused optimizer's
+    ``param_groups`` takes effect at the next of either call (its backward updates)."""
     out: list[tuple[float, tuple[str, ...]]] = []
+    batches = (make_batch(case, rank, step) for step in steps)
     if loop == "plain":
-        for batch in _batches(case, rank):
+        for batch in batches:
+            model.fused_optimizer.zero_grad()
             loss, (_, output) = model(batch)
             loss.backward()
+            model.fused_optimizer.step()
             out.append((float(loss.detach()), output_keys(output)))
         return out
-    pipeline: Any
     if loop == "lookahead":
-        pipeline = LookaheadTrainPipeline(
+        with LookaheadTrainPipeline(
             model, model.fused_optimizer, CPU, lookahead=case.lookahead
-        )
-    elif loop == "torchrec":
-        pipeline = TrainPipelineSparseDist(model, model.fused_optimizer, CPU)
-    else:
-        raise ValueError(f"unknown loop {loop!r}")
-    batches = _batches(case, rank)
+        ) as pipeline:
+            return _run_pipeline(pipeline, batches)
+    if loop == "torchrec":
+        return _run_pipeline(TrainPipelineSparseDist(model, model.fused_optimizer, CPU), batches)
+    raise ValueError(f"unknown loop {loop!r}")
+
+
+def _run_pipeline(pipeline: Any, batches: Iterator[Batch]) -> list[tuple[float, tuple[str, ...]]]:
+    out = []
     while True:
         try:
             loss, output = pipeline.progress(batches)
         except StopIteration:
-            break
+            return out
         out.append((float(loss), output_keys(output)))
-    return out
+
+
+class _Schedule:
+    """One model (the reference or the tiered one) going through a case's schedule on one rank.
+
+    Args:
+        case: the case.
+        rank: this process's rank in the job.
+        tiered: the tiered model (else the reference).
+        root: where this rank's tier files go (tiered only), one folder per model built.
+        shared: a folder every rank sees, for the checkpoints.
+        groups: per world size of the case, its process group (``None``: this rank is outside
+            it).
+    """
+
+    def __init__(
+        self,
+        case: SweepCase,
+        rank: int,
+        tiered: bool,
+        root: Path,
+        shared: Path,
+        groups: dict[int, dist.ProcessGroup | None],
+    ) -> None:
+        self.case, self.rank, self.tiered = case, rank, tiered
+        self.root, self.shared, self.groups = root, shared, groups
+        self.world = case.world_size
+        self.model: DistributedModelParallel | None = None
+        self.builds = 0
+        self.saves = 0
+        self.chain: list[Path] = []  # the last checkpoint, with its chain's earlier links
+        self.plain = True  # whether it is a dcp checkpoint (else this package's chain)
+        self.kind = "dcp"  # the kind the schedule saved it as
+        self.steps: list[tuple[float, tuple[str, ...]]] = []
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return self.groups[self.world]
+
+    def build(self, world: int) -> DistributedModelParallel | None:
+        """A new model at ``world`` (``None`` on a rank outside it)."""
+        self.world = world
+        if self.pg is None:
+            return None
+        self.builds += 1
+        root = self.root / f"m{self.builds}" if self.tiered else None
+        model = build(self.case, root, world, self.pg)
+        if self.tiered:
+            track_changes(tiered_groups(model))  # for incremental checkpoints
+        return model
+
+    def start(self, initial: dict[str, Any]) -> None:
+        """The first model, from the reference's initial state dict (``initial``)."""
+        self.model = self.build(self.world)
+        if self.model is not None:
+            self.model.load_state_dict(initial)
+
+    def run(self) -> None:
+        step = 0
+        for op in self.case.schedule:
+            name, *args = op.split(":")
+            if name == "train":
+                steps = range(step, step + int(args[0]))
+                step = steps.stop
+                if self.model is not None:
+                    loop = self.case.loop if self.tiered else "plain"
+                    self.steps += train(self.model, self.case, self.rank, loop, steps)
+            elif name == "save":
+                self.save(args[0])
+            elif name == "load":
+                self.load(args[0], int(args[1]), args[2])
+            elif self.model is None:
+                continue  # outside this phase's world
+            elif name == "write":
+                write_state(self.model, self.case, int(args[0]), args[1])
+            elif name == "lr":
+                for group in self.model.fused_optimizer.param_groups:
+                    group["lr"] = float(args[0])
+            else:
+                raise ValueError(f"unknown op {op!r}")
+
+    def _state(self) -> dict[str, Any]:
+        """The model's and the fused optimizer's state dicts, the latter left out on a rank
+        whose optimizer holds no state tensor (no table there, or SGD): dcp would find nothing
+        to load it from in a checkpoint written by other ranks."""
+        assert self.model is not None
+        state = {"model": self.model.state_dict()}
+        optim = self.model.fused_optimizer.state_dict()
+        if any(states for states in optim["state"].values()):
+            state["optim"] = optim
+        return state
+
+    def save(self, kind: str) -> None:
+        """A checkpoint: dcp for the reference and for ``dcp``, else this package's full or
+        incremental one. Every rank keeps the chain, also one outside this phase's world."""
+        self.saves += 1
+        path = self.shared / ("tiered" if self.tiered else "reference") / f"c{self.saves}"
+        plain = not self.tiered or kind == "dcp"
+        self.chain = [*self.chain, path] if kind == "inc" and not plain else [path]
+        self.plain, self.kind = plain, kind
+        if self.model is None:
+            return
+        if plain:
+            dcp.save(self._state(), checkpoint_id=path, process_group=self.pg)
+            return
+        groups = tiered_groups(self.model)
+        with deferred_views(groups):
+            state = self._state()
+            saved = (
+                changed_state_dict(state, groups)
+                if kind == "inc"
+                else full_state_dict(state, groups)
+            )
+            dcp.save(saved.state, checkpoint_id=path, planner=saved.planner, process_group=self.pg)
+        clear_changes(groups)
+
+    def _load_state_dicts(self, state: dict[str, Any]) -> None:
+        assert self.model is not None
+        self.model.load_state_dict(state["model"])
+        if "optim" in state:
+            self.model.fused_optimizer.load_state_dict(state["optim"])
+
+    def load(self, target: str, world: int, how: str) -> None:
+        """Loads the last checkpoint (its chain) into the model, or a fresh one at ``world``."""
+        if target == "fresh":
+            self.model = self.build(world)
+        if self.model is None:
+            return
+        if self.plain:
+            state = self._state()
+            dcp.load(state, checkpoint_id=self.chain[0], process_group=self.pg)
+            # (The reference loads as the tiered model does: a chain ends with load_state_dict.)
+            if how == "load_state_dict" or self.kind != "dcp":
+                self._load_state_dicts(state)
+        else:
+            groups = tiered_groups(self.model)
+            with deferred_views(groups):
+                state = self._state()
+                for i, path in enumerate(self.chain):
+                    load_tier_checkpoint(
+                        state, path, groups, incremental=i > 0, process_group=self.pg
+                    )
+                self._load_state_dicts(state)
+        if self.tiered:
+            clear_changes(tiered_groups(self.model))  # the chain's last link holds it all
 
 
 # ---------------------------------------------------------------------------- comparing
@@ -289,64 +518,99 @@ class Outcome:
     seconds: float = 0.0
 
 
-def run_case(case: SweepCase, rank: int, root: Path) -> Outcome:
+def case_groups(case: SweepCase) -> dict[int, dist.ProcessGroup | None]:
+    """Per world size of ``case``, the process group its models use on this rank (``None``:
+    this rank is outside it). Every rank of the job calls this for every case, in order: a
+    world smaller than the job's gets a subgroup of the first ranks, which all ranks form."""
+    world = dist.get_world_size()
+    out: dict[int, dist.ProcessGroup | None] = {}
+    for size in sorted(case.worlds):
+        if size == world:
+            out[size] = dist.GroupMember.WORLD
+        else:
+            group = dist.new_group(list(range(size)), backend="gloo")
+            out[size] = group if dist.get_rank() < size else None
+    return out
+
+
+def run_case(
+    case: SweepCase,
+    rank: int,
+    root: Path,
+    shared: Path | None = None,
+    groups: dict[int, dist.ProcessGroup | None] | None = None,
+) -> Outcome:
+    """Runs ``case`` on this rank: the reference's schedule, then the tiered model's, then
+    the comparison. ``root``: this rank's tier files; ``shared``: the checkpoints (every rank
+    sees it; default: under ``root``); ``groups``: see :func:`case_groups`."""
     started = time.perf_counter()
     line = case.to_line()
+    groups = groups or {case.world_size: dist.GroupMember.WORLD}
+    shared = shared or root / "checkpoints"
+    ref = _Schedule(case, rank, False, root / "reference", shared, groups)
+    tie = _Schedule(case, rank, True, root / "tiered", shared, groups)
     try:
-        ref = build(case, None)
-        set_weights(ref, case)
-        start = {k: [t.clone() for _, _, t in regions(v)] for k, v in ref.state_dict().items()}
-        ref_steps = train(ref, case, rank, "plain")
+        initial = _initial_state(case, groups[case.world_size])
+        ref.start(initial)
+        ref.run()
     except Exception:
         return Outcome(line, rank, "refused", [traceback.format_exc(limit=4)])
     try:
-        tie = build(case, root)
-        _load_start(tie, ref, start)
-        tie_steps = train(tie, case, rank, case.loop)
-        details: list[str] = []
-        for step, (a, b) in enumerate(zip(ref_steps, tie_steps)):
-            if a[1] != b[1]:
-                details.append(f"step {step}: output order {list(b[1])}, TorchRec {list(a[1])}")
-                break
-        for step, (a, b) in enumerate(zip(ref_steps, tie_steps)):
-            if a[0] != b[0]:
-                details.append(f"step {step}: loss {b[0]!r}, TorchRec {a[0]!r}")
-                break
-        if len(ref_steps) != len(tie_steps):
-            details.append(f"{len(tie_steps)} steps trained, TorchRec {len(ref_steps)}")
-        details += state_differences(ref, tie)
+        tie.start(initial)
+        tie.run()
+        details = _step_differences(ref.steps, tie.steps)
+        if ref.model is not None and tie.model is not None:
+            details += state_differences(ref.model, tie.model)
         status = "mismatch" if details else "ok"
         return Outcome(line, rank, status, details, time.perf_counter() - started)
     except Exception:
         return Outcome(line, rank, "error", [traceback.format_exc()], time.perf_counter() - started)
     finally:
+        for model in (ref.model, tie.model):
+            if model is not None:
+                _close_tiers(model)
         shutil.rmtree(root, ignore_errors=True)
 
 
-@torch.no_grad()
-def _load_start(
-    tie: DistributedModelParallel,
-    ref: DistributedModelParallel,
-    start: dict[str, list[torch.Tensor]],
-) -> None:
-    """Loads the reference's initial weights (``start``: its local shards before training)
-    into the tiered model through ``load_state_dict``, the public path."""
-    state = ref.state_dict()
-    trained = {k: [t.clone() for _, _, t in regions(v)] for k, v in state.items()}
-    for key, value in state.items():
-        for (_, _, tensor), initial in zip(regions(value), start[key]):
-            tensor.copy_(initial)
-    tie.load_state_dict(state)
-    for key, value in state.items():  # the reference as it was trained
-        for (_, _, tensor), done in zip(regions(value), trained[key]):
-            tensor.copy_(done)
+def _initial_state(case: SweepCase, pg: dist.ProcessGroup | None) -> dict[str, Any]:
+    """The reference's initial state dict (random weights, see :func:`set_weights`), which
+    both models load first; empty on a rank outside the case's first world."""
+    if pg is None:
+        return {}
+    model = build(case, None, case.world_size, pg)
+    set_weights(model, case)
+    return model.state_dict()
+
+
+def _step_differences(
+    ref: Sequence[tuple[float, tuple[str, ...]]], tie: Sequence[tuple[float, tuple[str, ...]]]
+) -> list[str]:
+    details: list[str] = []
+    for step, (a, b) in enumerate(zip(ref, tie)):
+        if a[1] != b[1]:
+            details.append(f"step {step}: output order {list(b[1])}, TorchRec {list(a[1])}")
+            break
+    for step, (a, b) in enumerate(zip(ref, tie)):
+        if a[0] != b[0]:
+            details.append(f"step {step}: loss {b[0]!r}, TorchRec {a[0]!r}")
+            break
+    if len(ref) != len(tie):
+        details.append(f"{len(tie)} steps trained, TorchRec {len(ref)}")
+    return details
+
+
+def _close_tiers(model: DistributedModelParallel) -> None:
+    """Stops the tiers' I/O threads and closes their files before the folder goes."""
+    for group in tiered_groups(model):
+        group.close()
 
 
 # ------------------------------------------------------------------------- running cases
 
 
 def run_in_process(cases: Sequence[SweepCase], root: Path) -> list[Outcome]:
-    """World-size-1 cases, one after another, in this process (it needs a process group)."""
+    """Cases of one rank (no world size above 1), one after another, in this process (it
+    needs a process group)."""
     return [run_case(case, 0, root / f"case{i}") for i, case in enumerate(cases)]
 
 
@@ -360,21 +624,27 @@ def _rank_main(
     ):
         try:
             for i, line in enumerate(lines):
+                case = SweepCase.from_line(line)
                 # A root of its own per rank: each rank removes its root when its case ends,
                 # which may be while the other rank still reads (or spills next to) its files.
                 case_root = Path(root) / f"case{i}" / f"rank{rank}"
-                outcome = run_case(SweepCase.from_line(line), rank, case_root)
+                shared = Path(root) / f"case{i}" / "shared"
+                outcome = run_case(case, rank, case_root, shared, case_groups(case))
                 outcomes.append(outcome)
                 if outcome.status == "error":
                     break  # the ranks may be out of step now: the rest run in a new job
+                dist.barrier()  # every rank is done with the case's checkpoints
+                if rank == 0:
+                    shutil.rmtree(shared, ignore_errors=True)
         finally:
             torch.save([o.__dict__ for o in outcomes], os.path.join(out, f"rank{rank}.pt"))
 
 
 def run_spawned(cases: Sequence[SweepCase], root: Path) -> list[Outcome]:
-    """Cases of one world size, in jobs of spawned gloo ranks; a case that errors ends its job
-    and the cases after it run in the next. Per case, the worst rank's outcome."""
-    world_size = cases[0].world_size
+    """Cases needing the same number of ranks (:attr:`SweepCase.job_world`), in jobs of
+    spawned gloo ranks; a case that errors ends its job and the cases after it run in the next.
+    Per case, the worst rank's outcome."""
+    world_size = cases[0].job_world
     results: list[Outcome] = []
     remaining = list(cases)
     while remaining:
@@ -415,10 +685,10 @@ def _worst(outcomes: Sequence[Outcome]) -> Outcome:
 
 
 def run(cases: Sequence[SweepCase], root: Path) -> list[Outcome]:
-    """Every case, world size 1 in this process and the others spawned; in case order."""
+    """Every case, those of one rank in this process and the others spawned; in case order."""
     by_world: dict[int, list[tuple[int, SweepCase]]] = {}
     for i, case in enumerate(cases):
-        by_world.setdefault(case.world_size, []).append((i, case))
+        by_world.setdefault(case.job_world, []).append((i, case))
     results: dict[int, Outcome] = {}
     for world, indexed in by_world.items():
         batch = [c for _, c in indexed]

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -64,13 +65,15 @@ def load_tier_checkpoint(
     checkpoint: Path,
     groups: Sequence[TieredTableGroup] = (),
     incremental: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Loads one checkpoint into ``state`` (as built for saving: views of the model and
     optimizer, taken within :func:`deferred_views`): its dcp entries as dcp does, then its
     tiered rows wherever they overlap this rank's shards, each rank alone. Rows of a
     log-structured tier of ``groups`` are written to the tier directly (the groups' caches are
     emptied first); the others through the views. An ``incremental`` checkpoint holds only
-    changed rows and needs the ones before it loaded first.
+    changed rows and needs the ones before it loaded first. ``process_group``: the ranks
+    that load (dcp's collective load of its own entries), the default group when ``None``.
 
     Raises:
         ValueError: a full checkpoint lacking an entry of ``state`` (other than the tensors
@@ -101,7 +104,12 @@ def load_tier_checkpoint(
             for _, region in tiered_shards(value, regions) or []:
                 if region.copy:
                     region.group.views.mark_written(region.index)
-    dcp_load(state, checkpoint_id=checkpoint, planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp_load(
+        state,
+        checkpoint_id=checkpoint,
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        process_group=process_group,
+    )
     for group in groups:  # stored before any saved row is written to the tier directly
         group.absorb_view_writes(loaded=True)
     _apply_saved(state, checkpoint, metadata, saved, regions)
@@ -126,10 +134,13 @@ def _wholly_loaded(flat: Mapping[str, Any], regions: Sequence[TierRegion]) -> li
 
 
 def load_changed_state(
-    state: dict[str, Any], checkpoint: Path, groups: Sequence[TieredTableGroup] = ()
+    state: dict[str, Any],
+    checkpoint: Path,
+    groups: Sequence[TieredTableGroup] = (),
+    process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Loads an incremental checkpoint into ``state`` (see :func:`load_tier_checkpoint`)."""
-    load_tier_checkpoint(state, checkpoint, groups, incremental=True)
+    load_tier_checkpoint(state, checkpoint, groups, incremental=True, process_group=process_group)
 
 
 def apply_changed_rows(state: Mapping[str, Any], checkpoint: Path) -> None:
