@@ -245,12 +245,9 @@ def _write(value: Any, table: torch.Tensor, rows: torch.Tensor | None) -> None:
     local shards of ``value`` in place, only at ``rows`` (a mask over the table) when given."""
     for off, size, tensor in regions(value):
         # A row-wise state of a column-wise table lists the rows once per column shard.
-        index = (torch.arange(off[0], off[0] + size[0])) % table.shape[0]
-        if tensor.dim() == 1:
-            src = table[index, 0]
-        else:
-            src = table[index, off[1] : off[1] + size[1]]
-        src = src.to(tensor.dtype)
+        index = torch.arange(off[0], off[0] + size[0]) % table.shape[0]
+        cols = slice(0, 1) if tensor.dim() == 1 else slice(off[1], off[1] + size[1])
+        src = table[index, cols].reshape(tensor.shape).to(tensor.dtype)
         if rows is None:
             tensor.copy_(src)
         else:
