@@ -5,8 +5,8 @@ the compute device's memory (DRAM on CPU, HBM on CUDA) on TorchRec's FUSED kerne
 ``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
 With ``large_tables="uvm_caching"`` the rest go to TorchRec's FUSED_UVM_CACHING kernel instead
-(CUDA only), with the same cache load factor and policy: the baseline the tiers are compared
-with.
+(CUDA only), with the same cache load factor and policy (one that fbgemm's cache runs: LRU or
+LFU): the baseline the tiers are compared with.
 Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
 least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan
@@ -24,6 +23,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from apps.dlrm.errors import ConfigError
+from torchrec_mtrains.cache.policies import fbgemm_cache_algorithm
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredParameterSharding,
@@ -102,7 +102,8 @@ def size_rule_plan(
     ``cpu``, HBM on ``cuda``), as do the tiered tables' caches.
 
     Raises:
-        ConfigError: see :func:`check_large_tables`."""
+        ConfigError: see :func:`check_large_tables`; or tables on FUSED_UVM_CACHING with a
+            ``cache_policy`` fbgemm's cache does not run, naming them."""
     check_large_tables(large_tables, device_type)
     uvm = large_tables == "uvm_caching"
     configs = sorted(ebc.embedding_bag_configs(), key=lambda c: (table_bytes(c), c.name))
@@ -145,11 +146,18 @@ def size_rule_plan(
     )
     for name, opts in options.items():
         plan[name] = TieredParameterSharding.wrap(plan[name], opts)
-    algorithm = CacheAlgorithm.LFU if cache_policy == "lfu" else CacheAlgorithm.LRU
-    cache = CacheParams(algorithm=algorithm, load_factor=cache_load_factor)
-    for p in placements:
-        if p.kernel == "uvm_caching":
-            plan[p.table] = dataclasses.replace(plan[p.table], cache_params=cache)
+    on_uvm = [p.table for p in placements if p.kernel == "uvm_caching"]
+    if on_uvm:
+        try:
+            algorithm = fbgemm_cache_algorithm(cache_policy)
+        except ValueError as e:
+            raise ConfigError(
+                f"tables {', '.join(on_uvm)} on FUSED_UVM_CACHING cannot run "
+                f"planner.cache_policy={cache_policy!r}: {e}"
+            ) from None
+        cache = CacheParams(algorithm=algorithm, load_factor=cache_load_factor)
+        for name in on_uvm:
+            plan[name] = dataclasses.replace(plan[name], cache_params=cache)
     return plan, placements
 
 

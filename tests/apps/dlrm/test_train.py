@@ -31,6 +31,7 @@ from apps.dlrm.data import SyntheticCriteoDataset
 from apps.dlrm.model import size_option, tiered_plan
 from apps.dlrm.placement import balance_ranks, format_placements, size_rule_plan, table_bytes
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
+from torchrec_mtrains.cache.policies import LRUPolicy, register_policy
 from torchrec_mtrains.distributed import (
     TieredEmbeddingBagCollectionSharder,
     TieredParameterSharding,
@@ -434,7 +435,9 @@ def _tiny_ebc() -> EmbeddingBagCollection:
     )
 
 
-def _size_rule_placement(large_tables: str, device_type: str) -> tuple[Any, list[Any]]:
+def _size_rule_placement(
+    large_tables: str, device_type: str, cache_policy: str = "lru"
+) -> tuple[Any, list[Any]]:
     """The tiny model's size-rule plan (200 KB DRAM budget, load factor 0.25) for
     ``device_type``, made without a device."""
     ebc = _tiny_ebc()
@@ -446,7 +449,7 @@ def _size_rule_placement(large_tables: str, device_type: str) -> tuple[Any, list
         dram_budget=200_000,
         block_scm_min_bytes=200_000,
         cache_load_factor=0.25,
-        cache_policy="lru",
+        cache_policy=cache_policy,
         device_type=device_type,
         large_tables=large_tables,
     )
@@ -473,6 +476,37 @@ def test_large_tables_may_go_to_torchrecs_uvm_caching_instead_of_the_tiers() -> 
         name: rows[name] // 4 for name in big
     }
     assert "uvm_caching" in format_placements(placements)
+
+
+@register_policy
+class _OwnPolicy(LRUPolicy):
+    """A registered policy of the project's own that fbgemm's cache has no counterpart of."""
+
+    name = "test-train-own"
+    fbgemm_algorithm = None
+
+
+def test_uvm_caching_runs_the_cache_policy_or_refuses_it_naming_the_tables() -> None:
+    """fbgemm's cache (FUSED_UVM_CACHING) runs LRU and LFU: ``lfu`` reaches it as LFU, and a
+    policy of the project's own is refused naming the tables, never run as fbgemm's LRU."""
+    plan, _ = _size_rule_placement("uvm_caching", "cuda", cache_policy="lfu")
+    on_uvm = [ps for ps in plan.values() if ps.compute_kernel == "fused_uvm_caching"]
+    assert len(on_uvm) == TIERED_TABLES
+    assert all(ps.cache_params.algorithm is CacheAlgorithm.LFU for ps in on_uvm)
+    with pytest.raises(ConfigError) as info:
+        _size_rule_placement("uvm_caching", "cuda", cache_policy=_OwnPolicy.name)
+    message = str(info.value)
+    assert message.startswith("tables t_cat_") and " on FUSED_UVM_CACHING cannot run " in message
+    assert (
+        f"planner.cache_policy='{_OwnPolicy.name}': cache policy '{_OwnPolicy.name}' has no "
+        "counterpart in fbgemm's cache"
+    ) in message
+    tiered, _ = _size_rule_placement("tiered", "cuda", cache_policy=_OwnPolicy.name)
+    assert {
+        ps.tier_options.cache_policy
+        for ps in tiered.values()
+        if isinstance(ps, TieredParameterSharding)
+    } == {_OwnPolicy.name}  # the tiered caches run it
 
 
 def test_uvm_caching_off_cuda_and_unknown_large_tables_are_refused(tmp_path: Path) -> None:
