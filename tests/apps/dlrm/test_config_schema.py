@@ -1,20 +1,23 @@
 """The app's structured configs: misspelt or mistyped overrides fail by name, every schema
 refuses a bad value of each option as it is made (one line naming the option, before anything is
-built), and ``--multirun`` gives every job its own run directory."""
+built), the group files' values tie to the schemas' defaults, and ``--multirun`` gives every job
+its own run directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from apps.dlrm.config import (
     CONF_DIR,
@@ -25,7 +28,12 @@ from apps.dlrm.config import (
     check_keys,
     to_app_config,
 )
-from apps.dlrm.data import CriteoNpyDataConfig, CriteoTsvDataConfig, SyntheticDataConfig
+from apps.dlrm.data import (
+    CONFIG_KINDS,
+    CriteoNpyDataConfig,
+    CriteoTsvDataConfig,
+    SyntheticDataConfig,
+)
 from apps.dlrm.errors import ConfigError
 from apps.dlrm.placement import LargeTables
 from torchrec_mtrains.cache.policies import LRUPolicy, register_policy
@@ -299,6 +307,67 @@ def test_a_registered_policy_of_our_own_is_taken_where_a_cache_of_ours_runs_it()
     assert to_app_config(_compose(SIZE_RULE, own)).planner.cache_policy == _OwnPolicy.name
     for policy in ("lru", "lfu"):  # fbgemm's cache runs these two
         assert to_app_config(_compose(SIZE_RULE, UVM, f"planner.cache_policy={policy}"))
+
+
+# Values a group file sets on purpose to other than its schema's default (the dataclass is also
+# used directly, where another default suits): the app's choice, said here so that it stays one.
+APP_CHOICES = {
+    ("data/synthetic.yaml", "num_batches"),  # an epoch long enough for run.steps
+    ("data/criteo_tsv.yaml", "eval_fraction"),  # hold rows out unless held-out files are given
+    ("data/criteo_npy.yaml", "eval_fraction"),
+}
+
+
+def _schema_files() -> list[tuple[str, type]]:
+    """(group file, schema) for each file under ``conf/`` whose defaults list names a schema
+    of the ConfigStore directly (a file that names another file is a variant of it)."""
+    schemas: dict[str, type] = {
+        "tiered_schema": PlannerConfig,
+        "size_rule_schema": SizeRulePlannerConfig,
+        **{f"{kind}_schema": schema for kind, schema in CONFIG_KINDS.items()},
+    }
+    found = []
+    for path in sorted(Path(CONF_DIR).glob("*/*.yaml")):
+        defaults = OmegaConf.load(path).get("defaults", [])
+        named = [d for d in defaults if isinstance(d, str) and d in schemas]
+        if named:
+            found.append((f"{path.parent.name}/{path.name}", schemas[named[0]]))
+    return found
+
+
+def test_every_schema_has_a_group_file_that_names_it() -> None:
+    assert {schema for _, schema in _schema_files()} == {
+        PlannerConfig,
+        SizeRulePlannerConfig,
+        *CONFIG_KINDS.values(),
+    }
+
+
+@pytest.mark.parametrize(("name", "schema"), _schema_files())
+def test_a_group_file_restates_its_schemas_defaults_and_lists_every_key(
+    name: str, schema: type
+) -> None:
+    """A value a group file restates is its schema's default (tiered.yaml lists all of
+    PlannerConfig's, each with its comment), and the file lists every key of the schema, so it
+    documents them all."""
+    node = OmegaConf.load(Path(CONF_DIR) / name)
+    values = OmegaConf.to_container(node, resolve=False)
+    assert isinstance(values, dict)
+    keys = [key for key in values if key != "defaults"]
+    assert sorted(keys) == sorted(f.name for f in dataclasses.fields(schema)), name
+    for f in dataclasses.fields(schema):
+        default: Any = f.default
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        if default in (dataclasses.MISSING, MISSING) or OmegaConf.is_interpolation(node, f.name):
+            continue  # the file is the value's one home / it follows another option
+        value = values[f.name]
+        if (name, f.name) in APP_CHOICES:
+            assert value != default, (
+                f"{name}: {f.name} is the default now; drop it from APP_CHOICES"
+            )
+            continue
+        assert value == default, f"{name}: {f.name}={value!r}, its schema's default is {default!r}"
 
 
 @pytest.mark.slow
