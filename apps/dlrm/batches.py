@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from apps.dlrm.checkpoints import Position
-from apps.dlrm.config import PipelineConfig, RunConfig
+from apps.dlrm.config import RunConfig
 from apps.dlrm.data import DataConfig, Split, build_dataloader
 from apps.dlrm.data.background import read_ahead
 from apps.dlrm.errors import ConfigError
@@ -58,16 +58,6 @@ def in_step(
     return while_all_have(batches, device), None
 
 
-def read_ahead_batches(pipeline: PipelineConfig) -> int:
-    value = pipeline.read_ahead
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"pipeline.read_ahead={value!r}: give the number of batches a background thread "
-            "builds ahead of the training loop (0 = built on the training thread)"
-        )
-    return value
-
-
 def while_all_have(batches: Iterator[Batch], device: torch.device) -> Generator[Batch, None, None]:
     while True:
         batch = next(batches, None)
@@ -76,15 +66,6 @@ def while_all_have(batches: Iterator[Batch], device: torch.device) -> Generator[
         if batch is None or not bool(have):
             return
         yield batch
-
-
-def count_option(value: int | None, key: str, minimum: int) -> int | None:
-    """The count option ``key``'s ``value``, checked: a whole number >= ``minimum``, or None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}={value!r}: give a whole number >= {minimum}, or null")
-    return value
 
 
 @dataclass(frozen=True)
@@ -98,14 +79,8 @@ class Schedule:
 
     @classmethod
     def from_config(cls, run: RunConfig) -> Schedule:
-        steps = count_option(run.steps, "run.steps", minimum=0)
-        epochs = count_option(run.epochs, "run.epochs", minimum=1)
-        if steps is None and epochs is None:
-            raise ConfigError(
-                "run.steps=null and run.epochs=null: the run would never end; set run.epochs "
-                "(passes over the training data) or run.steps (steps in all)"
-            )
-        return cls(steps, epochs)
+        """``run``'s schedule (checked by :class:`~apps.dlrm.config.RunConfig`)."""
+        return cls(run.steps, run.epochs)
 
     def total(self, epoch_batches: int | None) -> int | None:
         """The step the run ends at, when known before it starts."""

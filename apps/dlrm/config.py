@@ -16,16 +16,25 @@ Importing this module registers them (as :data:`CONF_DIR`'s users need them befo
 A ``--multirun`` job's ``run.dir`` is its sweep folder (the ``run_dir`` resolver).
 
 An entry point composes the config, refuses unknown keys (:func:`check_keys`) and converts it
-once (:func:`to_app_config`); the code below it takes the typed parts it reads.
+once (:func:`to_app_config`); the code below it takes the typed parts it reads. Each schema
+checks its own values as it is made (``__post_init__``, which ``OmegaConf.to_object`` runs), so
+a bad value stops the run before anything is built, with one message naming the option
+(``run.bounds_check='fatal': expected one of error, warn ...``) whoever reads it. An option whose
+YAML value is a string but whose meaning is typed (a mode, a size, a duration) keeps the string
+and gives the typed value as a property (``RunConfig.bounds_check_rule``).
+Checks across nodes (the model's tables against the data's features) stay with their readers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -34,7 +43,16 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from apps.dlrm.data import CONFIG_KINDS
 from apps.dlrm.errors import ConfigError
+from apps.dlrm.placement import LargeTables
+from torchrec_mtrains.cache.policies import (
+    DEFAULT_POLICY,
+    fbgemm_cache_algorithm,
+    registered_policy,
+)
+from torchrec_mtrains.distributed.options import BoundsCheck
+from torchrec_mtrains.distributed.runtime import DEVICE_CHOICES, parse_duration
 from torchrec_mtrains.planner import HostTopology, PlannerConfig, topology_from_config
+from torchrec_mtrains.planner.sizes import parse_size
 
 __all__ = [
     "CONF_DIR",
@@ -51,10 +69,35 @@ __all__ = [
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 """The app's Hydra config directory (``conf/`` of the repository)."""
 
+_T = TypeVar("_T")
+
+
+def _check_count(
+    key: str, value: int | None, minimum: int, meaning: str = "", *, nullable: bool = False
+) -> None:
+    """Refuses a count option ``key`` that is not a whole number >= ``minimum`` (or null,
+    where ``nullable``); ``meaning`` replaces the generic hint."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        hint = meaning or f"give a whole number >= {minimum}{', or null' if nullable else ''}"
+        raise ConfigError(f"{key}={value!r}: {hint}")
+
+
+def _parsed(parse: Callable[[Any, str], _T], value: Any, key: str) -> _T:
+    """``parse(value, key)`` (the library's parsers of sizes and durations, whose errors name
+    ``key`` and what they read), its ``ValueError`` as a :class:`ConfigError`."""
+    try:
+        return parse(value, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
 
 @dataclass
 class RunConfig:
-    """``run``: the training loop, its outputs and its devices (values: ``conf/config.yaml``)."""
+    """``run``: the training loop, its outputs and its devices (values: ``conf/config.yaml``).
+    Checked as it is made; :attr:`collective_timeout_duration` and :attr:`bounds_check_rule`
+    give ``collective_timeout`` and ``bounds_check`` typed."""
 
     dir: str = MISSING
     steps: int | None = MISSING
@@ -77,6 +120,63 @@ class RunConfig:
     collective_timeout: str = MISSING
     bounds_check: str = MISSING
 
+    def __post_init__(self) -> None:
+        _check_count("run.steps", self.steps, 0, nullable=True)
+        _check_count("run.epochs", self.epochs, 1, nullable=True)
+        if self.steps is None and self.epochs is None:
+            raise ConfigError(
+                "run.steps=null and run.epochs=null: the run would never end; set run.epochs "
+                "(passes over the training data) or run.steps (steps in all)"
+            )
+        _check_count("run.eval_batches", self.eval_batches, 0, nullable=True)
+        _check_count("run.keep_checkpoints", self.keep_checkpoints, 1, nullable=True)
+        _check_count("run.full_checkpoint_every", self.full_checkpoint_every, 1)
+        _check_count(
+            "run.checkpoint_every",
+            self.checkpoint_every,
+            0,
+            "give a whole number >= 0 (0 = only at the end)",
+        )
+        _check_count("run.log_every", self.log_every, 1)
+        _check_count(
+            "run.num_threads",
+            self.num_threads,
+            0,
+            "give a whole number >= 0 (0 = torch's default, one per core)",
+        )
+        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
+            raise ConfigError(f"run.learning_rate={self.learning_rate!r}: give a finite rate >= 0")
+        if not (self.progress_every_s > 0 and math.isfinite(self.progress_every_s)):
+            raise ConfigError(
+                f"run.progress_every_s={self.progress_every_s}: must be positive seconds"
+            )
+        if self.device not in DEVICE_CHOICES:
+            raise ConfigError(
+                f"run.device={self.device!r}: expected one of {', '.join(DEVICE_CHOICES)}"
+            )
+        # Parsed here, so that a bad value stops the config; the properties give them typed.
+        _ = (self.collective_timeout_duration, self.bounds_check_rule)
+
+    @property
+    def collective_timeout_duration(self) -> timedelta:
+        """``collective_timeout`` as a duration (90s, 5min; a bare number is seconds)."""
+        return _parsed(parse_duration, self.collective_timeout, "run.collective_timeout")
+
+    @property
+    def bounds_check_rule(self) -> BoundsCheck:
+        """``bounds_check``: what a batch with an id outside its table does, for every table
+        (``error``: the run stops naming the table, the feature and the id; ``warn``:
+        TorchRec's default, a warning and row 0 looked up instead)."""
+        try:
+            return BoundsCheck.parse(self.bounds_check)
+        except ValueError:
+            allowed = ", ".join(m.value for m in BoundsCheck)
+            raise ConfigError(
+                f"run.bounds_check={self.bounds_check!r}: expected one of {allowed} (error stops "
+                "the run at a batch holding an id outside its table; warn looks up row 0 "
+                "instead, as TorchRec does)"
+            ) from None
+
 
 @dataclass
 class ModelConfig:
@@ -92,6 +192,36 @@ class ModelConfig:
     pooling_factors: list[float] | None = None
     zipf_exponents: list[float] | None = None
 
+    def __post_init__(self) -> None:
+        _check_count("model.embedding_dim", self.embedding_dim, 1)
+        sizes = list(self.num_embeddings_per_feature)
+        if not sizes:
+            raise ConfigError(
+                "model.num_embeddings_per_feature=[]: give the rows of each table, one per "
+                "sparse feature"
+            )
+        if any(n < 1 for n in sizes):
+            raise ConfigError(
+                f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row"
+            )
+        dim = self.embedding_dim
+        dense = list(self.dense_arch_layer_sizes)
+        if not dense or dense[-1] != dim:
+            raise ConfigError(
+                f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: "
+                "the dense output is combined with the embeddings"
+            )
+        over = list(self.over_arch_layer_sizes)
+        if not over or over[-1] != 1:
+            raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
+        for key in ("embedding_dims", "pooling_factors", "zipf_exponents"):
+            values = getattr(self, key)
+            if values is not None and len(values) not in (1, len(sizes)):
+                raise ConfigError(
+                    f"model.{key} has {len(values)} entries; give one per table "
+                    f"({len(sizes)}) or one"
+                )
+
 
 @dataclass
 class PipelineConfig:
@@ -101,17 +231,73 @@ class PipelineConfig:
     lookahead: int = MISSING
     read_ahead: int = MISSING
 
+    def __post_init__(self) -> None:
+        _check_count(
+            "pipeline.lookahead",
+            self.lookahead,
+            0,
+            "give the number of batches to prefetch ahead of the running one (0 = the plain "
+            "training loop, no look-ahead)",
+        )
+        _check_count(
+            "pipeline.read_ahead",
+            self.read_ahead,
+            0,
+            "give the number of batches a background thread builds ahead of the training loop "
+            "(0 = built on the training thread)",
+        )
+
 
 @dataclass
 class SizeRulePlannerConfig:
-    """``planner=size_rule``: placement by table size (``conf/planner/size_rule.yaml``)."""
+    """``planner=size_rule``: placement by table size (``conf/planner/size_rule.yaml``).
+    Checked as it is made; :attr:`dram_budget_bytes`, :attr:`block_scm_threshold_bytes` and
+    :attr:`large_tables_choice` give the sizes and the choice typed. ``cache_policy`` defaults
+    to the library's one default (:data:`~torchrec_mtrains.cache.policies.DEFAULT_POLICY`)."""
 
     name: str = "size_rule"
     dram_budget: str = MISSING
     block_scm_min_bytes: str = MISSING
     cache_load_factor: float = MISSING
-    cache_policy: str = MISSING
-    large_tables: str = MISSING  # "tiered" or "uvm_caching" (apps.dlrm.placement.LARGE_TABLES)
+    cache_policy: str = DEFAULT_POLICY
+    large_tables: str = MISSING  # apps.dlrm.placement.LargeTables: tiered or uvm_caching
+
+    def __post_init__(self) -> None:
+        # Parsed here, so that a bad value stops the config; the properties give them typed.
+        _ = (self.dram_budget_bytes, self.block_scm_threshold_bytes, self.large_tables_choice)
+        if not 0.0 < self.cache_load_factor <= 1.0:  # worded as the library's tables word it
+            raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
+        registered_policy(self.cache_policy, "cache_policy")
+        if self.large_tables_choice == LargeTables.UVM_CACHING:
+            try:
+                fbgemm_cache_algorithm(self.cache_policy)
+            except ValueError as e:
+                raise ConfigError(
+                    f"planner.large_tables=uvm_caching with planner.cache_policy="
+                    f"{self.cache_policy!r}: {e}. Give one of those, or "
+                    "planner.large_tables=tiered (the tiered caches run any registered policy)"
+                ) from None
+
+    @property
+    def dram_budget_bytes(self) -> int:
+        """``dram_budget`` in bytes (per host)."""
+        return _parsed(parse_size, self.dram_budget, "planner.dram_budget")
+
+    @property
+    def block_scm_threshold_bytes(self) -> int:
+        """``block_scm_min_bytes`` in bytes: a tiered table at least this big goes to block SCM."""
+        return _parsed(parse_size, self.block_scm_min_bytes, "planner.block_scm_min_bytes")
+
+    @property
+    def large_tables_choice(self) -> LargeTables:
+        """``large_tables``: where the tables past ``dram_budget`` go."""
+        try:
+            return LargeTables(self.large_tables)
+        except ValueError:
+            allowed = ", ".join(m.value for m in LargeTables)
+            raise ConfigError(
+                f"planner.large_tables={self.large_tables!r}: give one of {allowed}"
+            ) from None
 
 
 @dataclass
@@ -122,7 +308,7 @@ class AppConfig:
     :class:`~torchrec_mtrains.planner.PlannerConfig` or :class:`SizeRulePlannerConfig` (the
     schema says ``Any``: OmegaConf has no unions of dataclasses)."""
 
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunConfig = MISSING
     model: ModelConfig = MISSING
     data: Any = MISSING
     hardware: HostTopology = MISSING
@@ -154,13 +340,15 @@ def _unknown_keys(node: DictConfig, prefix: str) -> list[tuple[str, list[str]]]:
 
 def to_app_config(cfg: DictConfig) -> AppConfig:
     """The composed config as its schema's dataclasses, each node converted once, with its
-    interpolations resolved. An entry point calls it after :func:`check_keys`; everything
-    below takes the typed parts it reads.
+    interpolations resolved and its values checked (the dataclasses' ``__post_init__``). An
+    entry point calls it after :func:`check_keys`; everything below takes the typed parts it
+    reads.
 
     Raises:
-        ConfigError: a value the node's own check refuses (``hardware.ranks_per_host=0``,
-            ``planner.cache_policy=x``), named by its node; or a ``data`` / ``planner`` group
-            file that names no schema.
+        ConfigError: a value the node's own check refuses: the app's schemas name the option
+            (``run.bounds_check='fatal': ...``), the library's are named by their node
+            (``hardware: ranks_per_host must be >= 1, got 0``); or a ``data`` / ``planner``
+            group file that names no schema.
     """
 
     def node(key: str) -> Any:
@@ -168,7 +356,9 @@ def to_app_config(cfg: DictConfig) -> AppConfig:
             if key == "hardware":  # the library's own conversion, as the torchx component's
                 return topology_from_config(cfg.hardware)
             return OmegaConf.to_object(cfg[key])
-        except ValueError as e:  # the dataclasses' own checks (__post_init__)
+        except ConfigError:  # the app's schemas: the message names the option
+            raise
+        except ValueError as e:  # the library's dataclasses (PlannerConfig, HostTopology)
             raise ConfigError(f"{key}: {e}") from None
 
     app = AppConfig(

@@ -12,7 +12,7 @@ from apps.dlrm.checkpoints import how_to_continue
 from apps.dlrm.config import AppConfig
 from apps.dlrm.data import MalformedRowError
 from apps.dlrm.errors import ConfigError
-from apps.dlrm.model import cache_knob, lookahead_depth
+from apps.dlrm.model import cache_knob
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError
 from torchrec_mtrains.distributed.tiered_tables import TableIdError
 from torchrec_mtrains.tiers.base import RowStoreError
@@ -38,7 +38,7 @@ def explained(app: AppConfig, error: BaseException) -> str | None:
     for the errors the data, the tiers and the caches raise; None for any other."""
     if (e := _cause(error, CacheTooSmallError)) is not None:
         # With look-ahead the cache holds ``lookahead + 1`` batches at once.
-        lookahead = lookahead_depth(app.pipeline)
+        lookahead = app.pipeline.lookahead
         also = (
             f", or lower pipeline.lookahead (now {lookahead}: the cache holds that many "
             "batches besides the running one)"

@@ -23,13 +23,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from apps.dlrm.config import (
-    AppConfig,
-    ModelConfig,
-    PipelineConfig,
-    RunConfig,
-    SizeRulePlannerConfig,
-)
+from apps.dlrm.config import AppConfig, ModelConfig, RunConfig, SizeRulePlannerConfig
 from apps.dlrm.data import DataConfig, SyntheticDataConfig
 from apps.dlrm.errors import ConfigError
 from apps.dlrm.placement import format_placements, size_rule_plan
@@ -41,7 +35,7 @@ from torchrec_mtrains.distributed import (
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
 from torchrec_mtrains.initializers import RowSeededUniform
-from torchrec_mtrains.planner import HostTopology, PlannerConfig, parse_size, plan_tables
+from torchrec_mtrains.planner import HostTopology, PlannerConfig, plan_tables
 from torchrec_mtrains.planner.presets import detected_gpu, on_compute_device, store_options
 from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import BufferBudgetError
@@ -51,15 +45,6 @@ from torchrec_mtrains.tiers.base import OpenMode
 logger: logging.Logger = logging.getLogger(__name__)
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
-
-
-def size_option(value: str, key: str) -> int:
-    """The size option ``key``'s ``value`` in bytes, read as every size is (:func:`parse_size`:
-    SI or IEC units)."""
-    try:
-        return parse_size(value, key)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def tier_root(hardware: HostTopology, run_dir: Path) -> Path:
@@ -105,42 +90,21 @@ def dense_features(data: DataConfig) -> int:
     return data.num_dense_features if isinstance(data, SyntheticDataConfig) else INT_FEATURE_COUNT
 
 
-def check_model_config(model: ModelConfig, data: DataConfig) -> list[int]:
-    sizes = [int(n) for n in model.num_embeddings_per_feature]
+def table_sizes(model: ModelConfig, data: DataConfig) -> list[int]:
+    """The model's table sizes, one per sparse feature of the data (the model config checks
+    its own values; this is the one check across the two).
+
+    Raises:
+        ConfigError: when the model has more or fewer tables than the data has features.
+    """
+    sizes = list(model.num_embeddings_per_feature)
     features = sparse_features(data)
     if len(sizes) != features:
         raise ConfigError(
             f"model.num_embeddings_per_feature has {len(sizes)} entries but the data has "
             f"{features} sparse features: give one size per feature"
         )
-    if any(n < 1 for n in sizes):
-        raise ConfigError(f"model.num_embeddings_per_feature={sizes}: every table needs >= 1 row")
-    dim = model.embedding_dim
-    dense = list(model.dense_arch_layer_sizes)
-    if not dense or int(dense[-1]) != dim:
-        raise ConfigError(
-            f"model.dense_arch_layer_sizes={dense} must end in model.embedding_dim={dim}: the "
-            "dense output is combined with the embeddings"
-        )
-    over = list(model.over_arch_layer_sizes)
-    if not over or int(over[-1]) != 1:
-        raise ConfigError(f"model.over_arch_layer_sizes={over} must end in 1 (the click logit)")
     return sizes
-
-
-def bounds_check_option(run: RunConfig) -> BoundsCheck:
-    """``run.bounds_check``: what a batch with an id outside its table does, for every table
-    (``error``: the run stops naming the table, the feature and the id; ``warn``: TorchRec's
-    default, a warning and row 0 looked up instead)."""
-    value = run.bounds_check
-    try:
-        return BoundsCheck.parse(str(value))
-    except ValueError:
-        allowed = ", ".join(m.value for m in BoundsCheck)
-        raise ConfigError(
-            f"run.bounds_check={value!r}: expected one of {allowed} (error stops the run at a "
-            "batch holding an id outside its table; warn looks up row 0 instead, as TorchRec does)"
-        ) from None
 
 
 def cache_knob(planner: PlannerConfig | SizeRulePlannerConfig) -> str:
@@ -168,7 +132,7 @@ def build_model(
     ``app`` is the run's typed config (:func:`~apps.dlrm.config.to_app_config` of a composed
     one).
     """
-    sizes = check_model_config(app.model, app.data)
+    sizes = table_sizes(app.model, app.data)
     dim = app.model.embedding_dim
     seed = app.run.seed
     # Each row's initial values depend on the seed and the row alone (RowSeededUniform), not
@@ -198,12 +162,11 @@ def build_model(
     lr = app.run.learning_rate
     planner = app.planner
     tiered_planner = isinstance(planner, PlannerConfig)
-    bounds_check = bounds_check_option(app.run)
     sharder = TieredEmbeddingBagCollectionSharder(
         build_storage(app.hardware, Path(app.run.dir), resume),
         offer_tiered_kernel=tiered_planner,
         fused_params={"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr},
-        bounds_check=bounds_check,
+        bounds_check=app.run.bounds_check_rule,
     )
     try:
         if tiered_planner:
@@ -215,14 +178,12 @@ def build_model(
                 ebc,
                 sharder,
                 world_size,
-                dram_budget=size_option(planner.dram_budget, "planner.dram_budget") * hosts,
-                block_scm_min_bytes=size_option(
-                    planner.block_scm_min_bytes, "planner.block_scm_min_bytes"
-                ),
+                dram_budget=planner.dram_budget_bytes * hosts,
+                block_scm_min_bytes=planner.block_scm_threshold_bytes,
                 cache_load_factor=planner.cache_load_factor,
                 cache_policy=planner.cache_policy,
                 device_type=device.type,
-                large_tables=planner.large_tables,
+                large_tables=planner.large_tables_choice,
             )
             plan_text = format_placements(placements)
     except ConfigError:
@@ -274,7 +235,7 @@ def check_batch_ids(
     Raises:
         ConfigError: for the first such feature.
     """
-    if bounds_check_option(run) is BoundsCheck.WARN:
+    if run.bounds_check_rule is BoundsCheck.WARN:
         return
     sizes = [int(n) for n in model.num_embeddings_per_feature]
     values, offsets = features.values(), features.offset_per_key()
@@ -348,7 +309,7 @@ def tiered_plan(
     config: PlannerConfig = app.planner
     # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
     # I/O with compute: the planner must size caches and estimate step time for that.
-    config = config.for_lookahead(lookahead_depth(app.pipeline))
+    config = config.for_lookahead(app.pipeline.lookahead)
     profile = AccessProfile.from_json(config.profile) if config.profile else None
     local = min(world_size, local_world_size())
     topology = app.hardware
@@ -392,17 +353,3 @@ def _poolings(model: ModelConfig, data: DataConfig, names: list[str]) -> dict[st
     if len(values) == 1:
         values *= len(names)
     return dict(zip(names, values)) if len(values) == len(names) else {}
-
-
-def lookahead_depth(pipeline: PipelineConfig) -> int:
-    value = pipeline.lookahead
-    try:
-        lookahead = int(value)
-    except (TypeError, ValueError):
-        lookahead = -1
-    if lookahead < 0 or isinstance(value, bool):
-        raise ConfigError(
-            f"pipeline.lookahead={value!r}: give the number of batches to prefetch ahead of the "
-            "running one (0 = the plain training loop, no look-ahead)"
-        )
-    return lookahead

@@ -4,9 +4,9 @@ This is the size rule used when no access profile drives placement: the smallest
 the compute device's memory (DRAM on CPU, HBM on CUDA) on TorchRec's FUSED kernel until
 ``dram_budget`` is spent, the rest go to byte SCM, or to
 block SCM when at least ``block_scm_min_bytes``, each behind a cache of ``cache_load_factor``.
-With ``large_tables="uvm_caching"`` the rest go to TorchRec's FUSED_UVM_CACHING kernel instead
-(CUDA only), with the same cache load factor and policy: the baseline the tiers are compared
-with.
+With ``large_tables=LargeTables.UVM_CACHING`` the rest go to TorchRec's FUSED_UVM_CACHING kernel
+instead (CUDA only), with the same cache load factor and policy (one that fbgemm's cache runs:
+LRU or LFU): the baseline the tiers are compared with.
 Tables are placed table-wise; ranks are balanced by bytes, largest table first, each to the
 least-loaded rank (longest-processing-time first), so the big tiered tables spread evenly.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan
@@ -24,6 +24,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from apps.dlrm.errors import ConfigError
+from torchrec_mtrains.cache.policies import fbgemm_cache_algorithm
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredParameterSharding,
@@ -31,10 +32,15 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.types import Tier
 
-LARGE_TABLES = ("tiered", "uvm_caching")
-"""Where :func:`size_rule_plan` may put the tables past the DRAM budget
-(``planner.large_tables``)."""
 UVM_CACHING_KERNEL = "fused_uvm_caching"
+
+
+class LargeTables(str, Enum):
+    """Where :func:`size_rule_plan` puts the tables past the DRAM budget
+    (``planner.large_tables``)."""
+
+    TIERED = "tiered"  # byte or block SCM, behind the tiered kernel's cache
+    UVM_CACHING = "uvm_caching"  # TorchRec's FUSED_UVM_CACHING: host memory, an HBM cache
 
 
 @dataclass(frozen=True)
@@ -67,17 +73,12 @@ def balance_ranks(configs: list[EmbeddingBagConfig], world_size: int) -> dict[st
     return out
 
 
-def check_large_tables(large_tables: str, device_type: str) -> None:
-    """Refuses a ``planner.large_tables`` that is not one of :data:`LARGE_TABLES`, or
-    ``uvm_caching`` where the job does not compute on CUDA.
+def check_large_tables(large_tables: LargeTables, device_type: str) -> None:
+    """Refuses ``planner.large_tables=uvm_caching`` where the job does not compute on CUDA.
 
     Raises:
-        ConfigError: naming the option, what it may be and, off CUDA, the device."""
-    if large_tables not in LARGE_TABLES:
-        raise ConfigError(
-            f"planner.large_tables={large_tables!r}: give one of {', '.join(LARGE_TABLES)}"
-        )
-    if large_tables == "uvm_caching" and device_type != "cuda":
+        ConfigError: naming the option and the device."""
+    if large_tables == LargeTables.UVM_CACHING and device_type != "cuda":
         raise ConfigError(
             "planner.large_tables=uvm_caching: TorchRec's FUSED_UVM_CACHING kernel (fbgemm's "
             f"UVM) runs on CUDA only, and this run computes on {device_type}; give "
@@ -94,7 +95,7 @@ def size_rule_plan(
     cache_load_factor: float,
     cache_policy: str,
     device_type: str = "cpu",
-    large_tables: str = "tiered",
+    large_tables: LargeTables = LargeTables.TIERED,
 ) -> tuple[EmbeddingModuleShardingPlan, list[TablePlacement]]:
     """Builds the plan and a per-table summary (see the module docstring for the rule).
 
@@ -102,9 +103,10 @@ def size_rule_plan(
     ``cpu``, HBM on ``cuda``), as do the tiered tables' caches.
 
     Raises:
-        ConfigError: see :func:`check_large_tables`."""
+        ConfigError: see :func:`check_large_tables`; or tables on FUSED_UVM_CACHING with a
+            ``cache_policy`` fbgemm's cache does not run, naming them."""
     check_large_tables(large_tables, device_type)
-    uvm = large_tables == "uvm_caching"
+    uvm = large_tables == LargeTables.UVM_CACHING
     configs = sorted(ebc.embedding_bag_configs(), key=lambda c: (table_bytes(c), c.name))
     ranks = balance_ranks(configs, world_size)
     placements: list[TablePlacement] = []
@@ -145,11 +147,18 @@ def size_rule_plan(
     )
     for name, opts in options.items():
         plan[name] = TieredParameterSharding.wrap(plan[name], opts)
-    algorithm = CacheAlgorithm.LFU if cache_policy == "lfu" else CacheAlgorithm.LRU
-    cache = CacheParams(algorithm=algorithm, load_factor=cache_load_factor)
-    for p in placements:
-        if p.kernel == "uvm_caching":
-            plan[p.table] = dataclasses.replace(plan[p.table], cache_params=cache)
+    on_uvm = [p.table for p in placements if p.kernel == "uvm_caching"]
+    if on_uvm:
+        try:
+            algorithm = fbgemm_cache_algorithm(cache_policy)
+        except ValueError as e:
+            raise ConfigError(
+                f"tables {', '.join(on_uvm)} on FUSED_UVM_CACHING cannot run "
+                f"planner.cache_policy={cache_policy!r}: {e}"
+            ) from None
+        cache = CacheParams(algorithm=algorithm, load_factor=cache_load_factor)
+        for name in on_uvm:
+            plan[name] = dataclasses.replace(plan[name], cache_params=cache)
     return plan, placements
 
 

@@ -19,7 +19,8 @@ class Progress:
             length), then the count is shown without a share.
         initial: the step the run starts at (after a resume, the checkpoint's).
         enabled: whether to report at all (``run.progress`` and rank 0).
-        every_s: without a terminal, the seconds between two lines.
+        every_s: without a terminal, the seconds between two lines (> 0; the app's
+            ``run.progress_every_s``, checked by its config).
         stream: where to write (default: standard error, as tqdm does).
 
     Example::
@@ -39,8 +40,6 @@ class Progress:
         every_s: float,
         stream: TextIO | None = None,
     ) -> None:
-        if every_s <= 0:
-            raise ValueError(f"run.progress_every_s={every_s}: must be positive seconds")
         self._stream = stream or sys.stderr
         self._total, self._step = total, initial
         self._enabled = enabled

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,7 +42,6 @@ from torchrec_mtrains.distributed.runtime import (
     failing_together,
     format_duration,
     init_process_group,
-    parse_duration,
     resolve_device,
 )
 
@@ -56,15 +54,6 @@ def compute_device(run: RunConfig) -> torch.device:
         return resolve_device(run.device)
     except ValueError as e:
         raise ConfigError(f"run.{e}") from None
-
-
-def collective_timeout(run: RunConfig) -> timedelta:
-    """``run.collective_timeout``: how long a collective waits for the other ranks before the
-    run stops, naming the ranks that did not answer."""
-    try:
-        return parse_duration(run.collective_timeout, "run.collective_timeout")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _agree_run_dir(cfg: DictConfig, app: AppConfig, world: int) -> tuple[DictConfig, AppConfig]:
@@ -123,14 +112,14 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    timeout = collective_timeout(app.run)
+    timeout = app.run.collective_timeout_duration
     group = init_process_group(compute_device(app.run), timeout)
     # A rank that fails, stalls or dies ends every rank, each naming it (see failing_together).
     timeout_option = f"run.collective_timeout={format_duration(timeout)}"
     try:
         with failing_together(timeout, option=timeout_option):
             if isinstance(app.planner, SizeRulePlannerConfig):  # before anything is written
-                check_large_tables(app.planner.large_tables, group.device.type)
+                check_large_tables(app.planner.large_tables_choice, group.device.type)
             cfg, app = _agree_run_dir(cfg, app, group.world_size)
             run_dir = _prepare_run_dir(app.run)
             # Before any tier file is made: a run.dir a node does not share stops every rank.

@@ -32,9 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from apps.dlrm.batches import (
     DataState,
     Schedule,
-    count_option,
     in_step,
-    read_ahead_batches,
     short_of_schedule,
     source,
     training_batches,
@@ -60,12 +58,7 @@ from apps.dlrm.data import (
 )
 from apps.dlrm.errors import ConfigError, RunDirError
 from apps.dlrm.explain import errors_explained
-from apps.dlrm.model import (
-    build_model,
-    check_batch_ids,
-    check_cache_sizes,
-    lookahead_depth,
-)
+from apps.dlrm.model import build_model, check_batch_ids, check_cache_sizes
 from apps.dlrm.plan_record import (
     drop_old_tier_files,
     plan_changes,
@@ -195,8 +188,8 @@ def _replan(asked: bool, run_dir: Path, changed: str, world: int) -> bool:
 class Trainer:
     """One rank's run, as its steps read: :meth:`run` finds where the run starts, builds the
     model (vetting the plan before any tier file exists), loads the checkpoint, trains with
-    periodic checkpoints, saves the final one, evaluates and reports. Options are read and
-    checked when it is made, before anything is built.
+    periodic checkpoints, saves the final one, evaluates and reports. Options are read when
+    it is made, before anything is built (their values were checked as the config was made).
 
     Args:
         app: the run's typed config.
@@ -224,14 +217,12 @@ class Trainer:
         self.config_yaml = config_yaml
         run = app.run
         torch.manual_seed(run.seed)
-        self.lookahead = lookahead_depth(app.pipeline)
-        self.read_ahead = read_ahead_batches(app.pipeline)
+        self.lookahead = app.pipeline.lookahead
+        self.read_ahead = app.pipeline.read_ahead
         self.schedule = Schedule.from_config(run)
-        self.eval_cap = count_option(run.eval_batches, "run.eval_batches", minimum=0)
-        self.keep = count_option(run.keep_checkpoints, "run.keep_checkpoints", minimum=1)
-        self.full_every = (
-            count_option(run.full_checkpoint_every, "run.full_checkpoint_every", minimum=1) or 1
-        )
+        self.eval_cap = run.eval_batches
+        self.keep = run.keep_checkpoints
+        self.full_every = run.full_checkpoint_every
         self.tensorboard = run.tensorboard
         self.phases: dict[str, float] = {}
         self.warned: list[str] = []
@@ -397,7 +388,7 @@ class Trainer:
             enabled=rank == 0 and run.progress,
             every_s=run.progress_every_s,
         )
-        log_every = max(1, run.log_every)
+        log_every = run.log_every
         window = TrainWindow(model, batch_size, device)
         losses: list[float] = []
         # This window's losses, still on the device: read at each report, so that a GPU step

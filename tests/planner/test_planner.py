@@ -244,3 +244,11 @@ def test_a_zero_budget_is_refused_not_read_as_no_budget(zero: str | int) -> None
     assert with_budgets(host, "", "") == host  # empty: the hardware's own capacities
     budgeted = with_budgets(host, "64MB", "")
     assert budgeted.host_capacity(Tier.DRAM) == 64 * 10**6
+
+
+@pytest.mark.parametrize(("key", "value"), [("dram_budget", "lots"), ("byte_scm_budget", "64XB")])
+def test_an_unparsable_budget_is_refused_as_the_config_is_made(key: str, value: str) -> None:
+    with pytest.raises(ValueError, match=rf"^planner\.{key}='{value}' is not a size"):
+        PlannerConfig(**{key: value})
+    assert getattr(PlannerConfig(**{key: "2GiB"}), key) == "2GiB"
+    assert getattr(PlannerConfig(**{key: ""}), key) == ""  # "": the topology's capacity

@@ -21,12 +21,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from torchrec_mtrains.cache import kernels
+
+if TYPE_CHECKING:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 
 
 def select_lowest(keys: torch.Tensor, count: int, protected: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,10 @@ class CachePolicy(ABC):
     """
 
     name: ClassVar[str]
+    fbgemm_algorithm: ClassVar[str | None] = None
+    """The member of fbgemm's ``CacheAlgorithm`` that evicts as this policy does, for tables on
+    TorchRec's FUSED_UVM_CACHING kernel (fbgemm's own cache); None where fbgemm has none (a
+    subclass that evicts otherwise than its parent sets it again)."""
 
     def __init__(self, num_slots: int, device: torch.device | str | None = None) -> None:
         self.num_slots = num_slots
@@ -207,6 +214,7 @@ class LRUPolicy(RecencyFrequencyPolicy):
     """Least recently used: evicts the slots whose last access is oldest."""
 
     name = "lru"
+    fbgemm_algorithm = "LRU"
 
     def priority(self) -> torch.Tensor:
         return self._last_use.to(torch.float64)
@@ -220,6 +228,7 @@ class LFUPolicy(RecencyFrequencyPolicy):
     count below ``2 * decay_interval``."""
 
     name = "lfu"
+    fbgemm_algorithm = "LFU"
     counting = True
 
     def priority(self) -> torch.Tensor:
@@ -248,6 +257,38 @@ def register_policy(cls: type[CachePolicy], *, clobber: bool = False) -> type[Ca
     return cls
 
 
+def registered_policy(name: str, what: str = "cache policy") -> type[CachePolicy]:
+    """The policy class registered as ``name``: the one check of a policy name, wherever a
+    config or a plan names one.
+
+    Raises:
+        ValueError: naming ``what`` and the registered names.
+    """
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"unknown {what} {name!r}; expected one of: {', '.join(sorted(POLICIES))}")
+    return POLICIES[name]
+
+
+def fbgemm_cache_algorithm(name: str) -> CacheAlgorithm:
+    """fbgemm's cache algorithm for the policy registered as ``name``, for a table on TorchRec's
+    FUSED_UVM_CACHING kernel, whose cache is fbgemm's and knows only LRU and LFU.
+
+    Raises:
+        ValueError: for an unknown name, or a policy fbgemm's cache cannot run (naming the
+            policies it can), rather than letting fbgemm's default (LRU) stand in for it.
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
+    algorithm = registered_policy(name).fbgemm_algorithm
+    if algorithm is None:
+        runs = sorted(n for n, cls in POLICIES.items() if cls.fbgemm_algorithm is not None)
+        raise ValueError(
+            f"cache policy {name!r} has no counterpart in fbgemm's cache, which TorchRec's "
+            f"FUSED_UVM_CACHING kernel uses; it runs {', '.join(runs)} only"
+        )
+    return CacheAlgorithm[algorithm]
+
+
 def make_policy(
     name: str,
     num_slots: int,
@@ -259,12 +300,7 @@ def make_policy(
 
     A policy class of its own gets ``device`` only when it is not the CPU, so one whose
     constructor takes just ``num_slots`` still works there."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown cache policy {name!r}; expected one of: {', '.join(sorted(POLICIES))}"
-        ) from None
+    cls = registered_policy(name)
     if issubclass(cls, RecencyFrequencyPolicy):
         return cls(num_slots, device, use_kernels=use_kernels)
     if device is not None and torch.device(device).type != "cpu":
@@ -274,3 +310,6 @@ def make_policy(
 
 register_policy(LRUPolicy)
 register_policy(LFUPolicy)
+
+DEFAULT_POLICY: str = LRUPolicy.name
+"""The policy of a table's cache, and of a planner's tables, where none is named."""

@@ -33,7 +33,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding
 
-from torchrec_mtrains.cache.policies import POLICIES
+from torchrec_mtrains.cache.policies import DEFAULT_POLICY, registered_policy
 from torchrec_mtrains.tiers import (
     OpenMode,
     RowStore,
@@ -92,12 +92,12 @@ class TieredTableOptions:
             tables that need write-back caching in front of host memory).
         cache_load_factor: cache size as a fraction of the table shard's rows (at least one
             row); the cache sits in the compute device's memory.
-        cache_policy: eviction policy name (``lru`` or ``lfu``).
+        cache_policy: eviction policy name, one registered in ``POLICIES`` (``lru``, ``lfu``).
     """
 
     tier: Tier = Tier.BYTE_SCM
     cache_load_factor: float = 0.2
-    cache_policy: str = "lru"
+    cache_policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier.parse(self.tier))
@@ -106,11 +106,7 @@ class TieredTableOptions:
             raise ValueError(f"tier {self.tier.value!r} cannot hold a tiered table; use {allowed}")
         if not 0.0 < self.cache_load_factor <= 1.0:
             raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
-        if self.cache_policy not in POLICIES:
-            raise ValueError(
-                f"unknown cache policy {self.cache_policy!r}; expected one of: "
-                f"{', '.join(sorted(POLICIES))}"
-            )
+        registered_policy(self.cache_policy)
 
     def cache_rows(self, local_rows: int) -> int:
         return max(1, min(local_rows, math.ceil(self.cache_load_factor * local_rows)))

@@ -21,10 +21,10 @@ from torchrec.distributed.planner.types import (
     ShardingOption,
 )
 
-from torchrec_mtrains.cache.policies import POLICIES
+from torchrec_mtrains.cache.policies import DEFAULT_POLICY, registered_policy
 from torchrec_mtrains.planner.access import TableAccess
 from torchrec_mtrains.planner.perf_model import Placement, StepTime
-from torchrec_mtrains.planner.sizes import format_size
+from torchrec_mtrains.planner.sizes import format_size, parse_size
 from torchrec_mtrains.planner.topology import HostTopology
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES
 from torchrec_mtrains.types import Tier
@@ -46,7 +46,8 @@ class PlannerConfig:
 
     Args:
         name: preset name (the app dispatches on it).
-        cache_policy: eviction policy of tiered tables' caches (``lru`` or ``lfu``).
+        cache_policy: eviction policy of tiered tables' caches, one registered in ``POLICIES``
+            (``lru``, ``lfu``).
         cache_headroom: fraction of each rank's cache memory (HBM on GPU hosts, DRAM on CPU
             hosts) the cache sizing leaves free, for allocator slack and batch buffers.
         min_cache_factor: a cache holds at least this many times a step's expected distinct
@@ -71,7 +72,7 @@ class PlannerConfig:
     """
 
     name: str = "tiered"
-    cache_policy: str = "lru"
+    cache_policy: str = DEFAULT_POLICY
     cache_headroom: float = 0.05
     min_cache_factor: float = 2.0
     min_cache_rows: int = 1024
@@ -86,10 +87,10 @@ class PlannerConfig:
     pin_hot_rows: bool = True
 
     def __post_init__(self) -> None:
-        if self.cache_policy not in POLICIES:
-            raise ValueError(
-                f"cache_policy {self.cache_policy!r} unknown; expected one of {sorted(POLICIES)}"
-            )
+        registered_policy(self.cache_policy, "cache_policy")
+        for name in ("dram_budget", "byte_scm_budget"):  # "" leaves the topology's
+            if getattr(self, name) != "":
+                parse_size(getattr(self, name), f"planner.{name}")
         if not 0.0 <= self.cache_headroom < 1.0:
             raise ValueError(f"cache_headroom must be in [0, 1), got {self.cache_headroom}")
         if self.min_cache_factor < 1.0:

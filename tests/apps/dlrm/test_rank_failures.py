@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from dlrm_helpers import SIZES, TINY_TABLES, compose_app
 
 from apps.dlrm.config import to_app_config
-from apps.dlrm.train import ConfigError, collective_timeout, main
+from apps.dlrm.train import ConfigError, main
 from torchrec_mtrains.distributed.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -46,7 +46,7 @@ def write_tsv(path: Path, rows: int, bad_line: int | None = None, seed: int = 0)
 
 def test_collective_timeout_is_a_duration_with_a_default_well_under_torchs() -> None:
     def timeout(*overrides: str) -> timedelta:
-        return collective_timeout(to_app_config(compose_app(*overrides)).run)
+        return to_app_config(compose_app(*overrides)).run.collective_timeout_duration
 
     assert timeout() == timedelta(minutes=10)
     assert timeout("run.collective_timeout=90s") == timedelta(seconds=90)

@@ -13,7 +13,6 @@ from dlrm_helpers import SIZES, app_config
 
 from apps.dlrm.config import to_app_config
 from apps.dlrm.errors import ConfigError
-from apps.dlrm.model import bounds_check_option
 from apps.dlrm.train import main
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.tiered_tables import TableIdError
@@ -57,7 +56,7 @@ def _config(tmp_path: Path, *overrides: str) -> object:
 
 def test_out_of_range_id_in_a_fused_dram_table_stops_the_run(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    assert bounds_check_option(to_app_config(cfg).run) is BoundsCheck.ERROR  # the default
+    assert to_app_config(cfg).run.bounds_check_rule is BoundsCheck.ERROR  # the default
     with pytest.raises((TableIdError, ConfigError)) as err:
         main(cfg)
     message = str(err.value)

@@ -28,9 +28,16 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from apps.dlrm.config import to_app_config
 from apps.dlrm.data import SyntheticCriteoDataset
-from apps.dlrm.model import size_option, tiered_plan
-from apps.dlrm.placement import balance_ranks, format_placements, size_rule_plan, table_bytes
+from apps.dlrm.model import tiered_plan
+from apps.dlrm.placement import (
+    LargeTables,
+    balance_ranks,
+    format_placements,
+    size_rule_plan,
+    table_bytes,
+)
 from apps.dlrm.train import ConfigError, main, one_paragraph, run
+from torchrec_mtrains.cache.policies import LRUPolicy, register_policy
 from torchrec_mtrains.distributed import (
     TieredEmbeddingBagCollectionSharder,
     TieredParameterSharding,
@@ -228,27 +235,6 @@ def test_cache_smaller_than_a_batch_names_the_knobs(tmp_path: Path) -> None:
         main(config(tmp_path / "run", "planner.cache_load_factor=0.01", "run.steps=2"))
 
 
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("64MB", 64 * 10**6),
-        ("64MiB", 64 << 20),
-        ("1.5GiB", 3 << 29),
-        ("2GB", 2 * 10**9),
-        ("512", 512),
-    ],
-)
-def test_sizes_parse_as_everywhere_else(text: str, size: int) -> None:
-    # One parser for every size option: SI for KB/MB/GB, IEC for KiB/MiB/GiB.
-    assert size_option(text, "planner.dram_budget") == size
-
-
-@pytest.mark.parametrize("text", ["lots", "MB", "-5MB", "64XB", "64m"])
-def test_bad_sizes_name_the_option(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"^planner\.dram_budget="):
-        size_option(text, "planner.dram_budget")
-
-
 def test_ranks_are_balanced_largest_table_first() -> None:
     rows = [1_000_000, 1_000_000, 1_000_000, 500_000, 500_000, 286_181, 1460, 3]
     configs = [
@@ -434,7 +420,9 @@ def _tiny_ebc() -> EmbeddingBagCollection:
     )
 
 
-def _size_rule_placement(large_tables: str, device_type: str) -> tuple[Any, list[Any]]:
+def _size_rule_placement(
+    large_tables: LargeTables, device_type: str, cache_policy: str = "lru"
+) -> tuple[Any, list[Any]]:
     """The tiny model's size-rule plan (200 KB DRAM budget, load factor 0.25) for
     ``device_type``, made without a device."""
     ebc = _tiny_ebc()
@@ -446,7 +434,7 @@ def _size_rule_placement(large_tables: str, device_type: str) -> tuple[Any, list
         dram_budget=200_000,
         block_scm_min_bytes=200_000,
         cache_load_factor=0.25,
-        cache_policy="lru",
+        cache_policy=cache_policy,
         device_type=device_type,
         large_tables=large_tables,
     )
@@ -456,8 +444,8 @@ def test_large_tables_may_go_to_torchrecs_uvm_caching_instead_of_the_tiers() -> 
     """``planner.large_tables=uvm_caching``: the tables past the DRAM budget go to TorchRec's
     FUSED_UVM_CACHING kernel with the cache load factor (the baseline the tiers are compared
     with on a GPU); the others stay FUSED, as with the tiers."""
-    plan, placements = _size_rule_placement("uvm_caching", "cuda")
-    tiered_plan_, _ = _size_rule_placement("tiered", "cuda")
+    plan, placements = _size_rule_placement(LargeTables.UVM_CACHING, "cuda")
+    tiered_plan_, _ = _size_rule_placement(LargeTables.TIERED, "cuda")
     big = {n for n, ps in tiered_plan_.items() if isinstance(ps, TieredParameterSharding)}
     assert len(big) == TIERED_TABLES
     for name, ps in plan.items():
@@ -473,6 +461,37 @@ def test_large_tables_may_go_to_torchrecs_uvm_caching_instead_of_the_tiers() -> 
         name: rows[name] // 4 for name in big
     }
     assert "uvm_caching" in format_placements(placements)
+
+
+@register_policy
+class _OwnPolicy(LRUPolicy):
+    """A registered policy of the project's own that fbgemm's cache has no counterpart of."""
+
+    name = "test-train-own"
+    fbgemm_algorithm = None
+
+
+def test_uvm_caching_runs_the_cache_policy_or_refuses_it_naming_the_tables() -> None:
+    """fbgemm's cache (FUSED_UVM_CACHING) runs LRU and LFU: ``lfu`` reaches it as LFU, and a
+    policy of the project's own is refused naming the tables, never run as fbgemm's LRU."""
+    plan, _ = _size_rule_placement(LargeTables.UVM_CACHING, "cuda", cache_policy="lfu")
+    on_uvm = [ps for ps in plan.values() if ps.compute_kernel == "fused_uvm_caching"]
+    assert len(on_uvm) == TIERED_TABLES
+    assert all(ps.cache_params.algorithm is CacheAlgorithm.LFU for ps in on_uvm)
+    with pytest.raises(ConfigError) as info:
+        _size_rule_placement(LargeTables.UVM_CACHING, "cuda", cache_policy=_OwnPolicy.name)
+    message = str(info.value)
+    assert message.startswith("tables t_cat_") and " on FUSED_UVM_CACHING cannot run " in message
+    assert (
+        f"planner.cache_policy='{_OwnPolicy.name}': cache policy '{_OwnPolicy.name}' has no "
+        "counterpart in fbgemm's cache"
+    ) in message
+    tiered, _ = _size_rule_placement(LargeTables.TIERED, "cuda", cache_policy=_OwnPolicy.name)
+    assert {
+        ps.tier_options.cache_policy
+        for ps in tiered.values()
+        if isinstance(ps, TieredParameterSharding)
+    } == {_OwnPolicy.name}  # the tiered caches run it
 
 
 def test_uvm_caching_off_cuda_and_unknown_large_tables_are_refused(tmp_path: Path) -> None:
