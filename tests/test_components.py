@@ -16,8 +16,8 @@ from torchx.components.component_test_base import ComponentTestCase
 from torchx.specs import AppDef, macros
 from torchx.specs.finder import ModuleComponentsFinder, get_components
 
-from apps.dlrm import component as components
-from apps.dlrm.component import dlrm
+from torchrec_mtrains import components
+from torchrec_mtrains.components import dlrm
 from torchrec_mtrains.distributed.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,6 +170,15 @@ def test_overrides_that_do_not_compose_fail_at_submission() -> None:
         dlrm("hardware=nope")
     with pytest.raises(ValueError, match=r"script_args: .*run\.stpes"):
         dlrm("run.stpes=3")
+
+
+def test_a_launch_without_the_app_says_where_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An installed wheel holds the component but not the app (apps/, conf/): a checkout does.
+    monkeypatch.setitem(sys.modules, "apps.dlrm.config", None)
+    with pytest.raises(ModuleNotFoundError, match=r"\(apps\.dlrm\.train\).*checkout"):
+        dlrm("run.steps=5")
 
 
 def test_tier_root_is_the_hardware_tier_root() -> None:

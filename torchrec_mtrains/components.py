@@ -7,6 +7,13 @@ root::
     torchx run -s slurm mtrains.dlrm -j 2x2 hardware=local model=w2_large
     torchx run -s local_cwd mtrains.dlrm --help
 
+It lives in the library, not beside the app in ``apps/dlrm/``, because the entry point must
+import wherever the package is installed: the wheel holds ``torchrec_mtrains`` only. The app
+itself (``apps/dlrm/``, its Hydra config in ``conf/``) runs from a checkout, or an image built
+from one: each rank runs ``python -m apps.dlrm.train`` in the job's working directory. So
+``--help`` works anywhere; a launch composes the app's config and needs the app importable (a
+checkout after ``make install``, or ``PYTHONPATH=<checkout>``).
+
 The job is sized from the plan's host: the overrides are composed as every rank will compose
 them, and the hardware preset they name (``hardware=...``, ``hardware.dram.capacity=...``) gives
 each node's CPUs, memory and GPUs and each node's ranks, unless ``cpu`` / ``memMB`` / ``h`` /
@@ -128,6 +135,28 @@ class NodeShape:
         )
 
 
+def _app_conf_dir() -> str:
+    """The app's Hydra config directory; importing the app's config registers its schemas.
+
+    Raises:
+        ModuleNotFoundError: the app is not importable here (an installed wheel without a
+            checkout), saying where it comes from.
+    """
+    try:
+        from apps.dlrm.config import CONF_DIR
+    except ModuleNotFoundError as e:
+        if e.name not in {"apps", "apps.dlrm", "apps.dlrm.config"}:
+            raise
+        raise ModuleNotFoundError(
+            f"mtrains.dlrm launches the DLRM app ({APP_MODULE}), which is not importable here "
+            f"({e.name!r} not found). The app and its config (apps/, conf/) are not part of the "
+            "installed package: run torchx from the root of a torchrec_mtrains checkout after "
+            "`make install`, or with PYTHONPATH=<checkout>",
+            name=e.name,
+        ) from None
+    return CONF_DIR
+
+
 def node_shape(script_args: List[str]) -> NodeShape:
     """The node the app's config describes once ``script_args`` are applied, composed as each
     rank composes it (``conf/config.yaml``, its defaults, the overrides).
@@ -139,11 +168,12 @@ def node_shape(script_args: List[str]) -> NodeShape:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from apps.dlrm.config import CONF_DIR
+    conf_dir = _app_conf_dir()  # before the planner, which imports TorchRec
+
     from torchrec_mtrains.planner.presets import topology_from_config
 
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_dir(config_dir=conf_dir, version_base=None):
             cfg = compose(config_name="config", overrides=_hydra_overrides(script_args))
         return NodeShape.of(topology_from_config(cfg.hardware))
     except (HydraException, OmegaConfBaseException, ValueError) as e:
