@@ -232,9 +232,14 @@ def draw_ops(rng: random.Random, world_size: int, switch_worlds: bool) -> tuple[
 
 
 def draw_case(
-    rng: random.Random, seed: int, world_size: int, max_rows: int = MAX_ROWS
+    rng: random.Random,
+    seed: int,
+    world_size: int,
+    max_rows: int = MAX_ROWS,
+    switch_worlds: bool = True,
 ) -> SweepCase:
-    """A random case at ``world_size``: every axis of :class:`SweepCase` drawn from ``rng``."""
+    """A random case at ``world_size``: every axis of :class:`SweepCase` drawn from ``rng``
+    (a load may move to the other world size, 1 or 2, when ``switch_worlds``)."""
     kind = rng.choice(("ebc", "ec"))
     ebc = kind == "ebc"
     optimizer = rng.choice(OPTIMIZERS)
@@ -283,7 +288,7 @@ def draw_case(
         )
     dtype = rng.choice(DTYPES)
     # TorchRec's row-wise VBE gathers uneven tensors, which gloo refuses: no move to 2 ranks.
-    switch = not (vbe and any(t.sharding == "row_wise" for t in tables))
+    switch = switch_worlds and not (vbe and any(t.sharding == "row_wise" for t in tables))
     ops = draw_ops(rng, world_size, switch) if rng.random() < 0.6 else ()
     return SweepCase(
         kind=kind,

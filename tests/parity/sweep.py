@@ -266,16 +266,23 @@ def set_weights(model: DistributedModelParallel, case: SweepCase) -> None:
 
 
 @torch.no_grad()
-def write_state(model: DistributedModelParallel, case: SweepCase, seed: int, part: str) -> None:
+def write_state(
+    model: DistributedModelParallel,
+    case: SweepCase,
+    seed: int,
+    part: str,
+    state: dict[str, Any] | None = None,
+) -> None:
     """The ``write`` op: values drawn from ``seed`` written in place into the tensors
-    ``state_dict()`` and ``fused_optimizer.state_dict()`` hand out (see ``OPS``)."""
+    ``state_dict()`` (or ``state``, one it handed out earlier) and
+    ``fused_optimizer.state_dict()`` hand out (see ``OPS``)."""
     rows_of: dict[str, torch.Tensor | None] = {}
     for i, t in enumerate(case.tables):
         g = torch.Generator().manual_seed(seed * 7 + i)
         rows_of[t.name] = torch.rand(t.rows, generator=g) < 0.25 if part == "some" else None
     if part in ("all", "some", "weights"):
         values = _table_values(case, seed, "weights")
-        for key, value in model.state_dict().items():
+        for key, value in (state if state is not None else model.state_dict()).items():
             table = key.split(".")[-2]
             _write(value, values[table], rows_of[table])
     if part in ("all", "some", "state"):
@@ -701,7 +708,7 @@ def draw_cases(count: int, seed: int, world_sizes: Sequence[int] = (1, 2)) -> li
     cases = []
     for i in range(count):
         world = world_sizes[-1] if len(world_sizes) > 1 and i % 3 == 2 else world_sizes[0]
-        cases.append(draw_case(rng, seed * 1_000_003 + i, world))
+        cases.append(draw_case(rng, seed * 1_000_003 + i, world, switch_worlds=2 in world_sizes))
     return cases
 
 

@@ -87,10 +87,27 @@ def test_the_draw_covers_every_axis() -> None:
     assert {c.batch for c in cases} >= {1} and {c.max_ids for c in cases} >= {0}
     switching = [c for c in cases if c.pattern.count("TF") + c.pattern.count("FT") >= 2]
     assert len(switching) > 50  # tiered and resident tables interleave
+    assert {c.dtype for c in cases} == {"fp32", "fp16"}
+    ops = [op for c in cases for op in c.ops]
+    assert {op.split(":")[0] for op in ops} == {"train", "write", "lr", "save", "load"}
+    assert {op.split(":")[2] for op in ops if op.startswith("write:")} == {
+        "all",
+        "some",
+        "weights",
+        "state",
+    }
+    assert {op for op in ops if op.startswith("save:")} == {"save:dcp", "save:full", "save:inc"}
+    loads = {tuple(op.split(":")[1:]) for op in ops if op.startswith("load:")}
+    assert {(target, how) for target, _, how in loads} == {
+        (target, how) for target in ("same", "fresh") for how in ("inplace", "load_state_dict")
+    }
+    assert {len(c.worlds) for c in cases} == {1, 2}  # some move to the other world size
+    assert any(not c.ops for c in cases)  # and some only train
 
 
 def test_a_case_reruns_from_its_line() -> None:
     case = draw_case(random.Random(5), 5, world_size=2)
+    assert case.ops  # its schedule too
     assert SweepCase.from_line(case.to_line()) == case
     outcome = Outcome(case.to_line(), 0, "mismatch", ["step 3: loss 1.0, TorchRec 2.0"])
     summary, (failure,) = report([outcome])

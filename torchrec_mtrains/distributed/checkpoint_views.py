@@ -258,6 +258,17 @@ class TierViews:
             self._exported[index] = store.version  # the copy is what the tier now holds
         return stale
 
+    def store_as_tier(self, index: int) -> None:
+        """Stores what shard ``index``'s view holds as its rows, where the view stands for
+        them: always for a tier viewed in place, for a copy only while it is current (a
+        stale one holds nothing newer than its tier). For ``load_state_dict`` of the model's
+        own state dict, which copies nothing: what was written through ``.data`` or numpy
+        (unseen by :meth:`written`) is stored then, as TorchRec's documented in-place load
+        ("load into the state dict, then load_state_dict") expects."""
+        if self.is_copy(index) and not self.is_current(index):
+            return
+        self.store_writes(index, [WEIGHTS, *self._shards[index].state_keys])
+
     def close(self) -> None:
         """Drops the file mappings and the exported copies (before the stores close)."""
         self._rows.clear()

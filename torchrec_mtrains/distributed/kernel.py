@@ -255,6 +255,7 @@ class _TieredKernelMixin:
                     features=[f for f, ft in enumerate(self._feature_table_map) if ft == t],  # type: ignore[attr-defined]
                     weights=module_weights[t].data,
                     states={k: v.data for k, v in module_states[t].items()},
+                    watched=[module_weights[t], *module_states[t].values()],
                 )
                 for t in range(len(options))
                 if t not in self._tiered_index

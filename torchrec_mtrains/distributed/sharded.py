@@ -190,6 +190,8 @@ class _TieredShardedMixin:
             )
             hooks = self._load_state_dict_pre_hooks  # type: ignore[attr-defined]
             hooks.move_to_end(handle.id, last=False)
+            # TorchRec copies the resident tables in after the pre-hooks: a load, not training.
+            self.register_load_state_dict_post_hook(_loaded_hook)  # type: ignore[attr-defined]
 
     def _chunk_other_tables(self) -> None:
         """Row chunks in the state dict for this module's other tables too (TorchRec's own
@@ -388,8 +390,10 @@ class _TieredShardedMixin:
                 continue
             value = state_dict.pop(key)
             mine = self._model_parallel_name_to_sharded_tensor[name]
-            if value is not mine:  # foreign rows go through the views: bring copies up to date
-                for group, i, _ in self._tiered_shards(name):
+            for group, i, _ in self._tiered_shards(name):
+                if value is mine:  # its own views: what they hold is stored as the tier's
+                    group.views.store_as_tier(i)
+                else:  # foreign rows go through the views: bring copies up to date
                     group.views.mark_written(i)
             loaded.update(id(group) for group, _, _ in self._tiered_shards(name))
             with torch.no_grad():
@@ -531,6 +535,11 @@ def _chunked_tables_load_hook(
     module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     module._load_chunked_tables(state_dict, prefix)
+
+
+def _loaded_hook(module: _TieredShardedMixin, incompatible_keys: Any) -> None:
+    for group in module.tiered_groups():
+        group.absorb_view_writes(loaded=True)
 
 
 def _tiered_load_hook(

@@ -68,6 +68,9 @@ class ResidentTable:
         states: its optimizer states there, as fbgemm exposes them.
         changed: which local rows training looked up since the last checkpoint (empty until
             changes are tracked).
+        watched: tensors sharing the version counters of what its state dicts hand out (the
+            fbgemm module's weights and states, not ``.data``): a write through those tensors
+            (fbgemm's own updates do not count) makes every row count as changed.
     """
 
     name: str
@@ -75,10 +78,21 @@ class ResidentTable:
     weights: torch.Tensor
     states: dict[str, torch.Tensor]
     changed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    watched: list[torch.Tensor] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seen = [t._version for t in self.watched]
 
     @property
     def rows(self) -> int:
         return int(self.weights.shape[0])
+
+    def written(self) -> bool:
+        """Whether its state-dict tensors were written in place since the last look; looks."""
+        now = [t._version for t in self.watched]
+        written, self.seen = now != self.seen, now
+        return written
 
 
 @dataclass
@@ -623,6 +637,9 @@ class TieredTableGroup:
                 not count as rows changed by training for incremental checkpoints.
         """
         written = [(i, parts) for i in range(len(self.shards)) if (parts := self.views.written(i))]
+        for table in self.resident:  # kept whole in fbgemm's module: only its changes to note
+            if table.written() and self._changed is not None and not loaded:
+                table.changed[:] = True
         if not written:
             return
         self.drain()  # queued moves finish first: nothing writes a tier meanwhile
