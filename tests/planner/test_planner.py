@@ -14,6 +14,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from planner_helpers import small_host, tables
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -252,3 +253,24 @@ def test_an_unparsable_budget_is_refused_as_the_config_is_made(key: str, value: 
         PlannerConfig(**{key: value})
     assert getattr(PlannerConfig(**{key: "2GiB"}), key) == "2GiB"
     assert getattr(PlannerConfig(**{key: ""}), key) == ""  # "": the topology's capacity
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_table_on_uvm_caching_gets_the_planners_cache_policy(policy: str) -> None:
+    """fbgemm's cache runs the policy the tiered caches run (its default, LRU, stood in)."""
+    tables = [
+        EmbeddingBagConfig(
+            num_embeddings=n, embedding_dim=128, name=f"t{i}", feature_names=[f"f{i}"]
+        )
+        for i, n in enumerate([10**6, 5 * 10**7, 2 * 10**8, 10**9])
+    ]
+    plan, _ = plan_tables(
+        tables,
+        load_topology("gpu_pmem_nvme"),
+        world_size=8,
+        batch_size=4096,
+        profile=None,
+        config=PlannerConfig(cache_policy=policy),
+    )
+    cached = [p for p in plan.values() if p.compute_kernel == "fused_uvm_caching"]
+    assert cached and all(p.cache_params.algorithm.name == policy.upper() for p in cached)

@@ -19,7 +19,12 @@ import numpy as np
 import torch
 
 from torchrec_mtrains.cache import kernels
-from torchrec_mtrains.cache.policies import CachePolicy, RecencyFrequencyPolicy, make_policy
+from torchrec_mtrains.cache.policies import (
+    DEFAULT_POLICY,
+    CachePolicy,
+    RecencyFrequencyPolicy,
+    make_policy,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -109,7 +114,7 @@ class TableCache:
         table: str,
         num_rows: int,
         num_slots: int,
-        policy: str | CachePolicy = "lru",
+        policy: str | CachePolicy = DEFAULT_POLICY,
         *,
         device: torch.device | str | None = None,
         backend: str = "auto",

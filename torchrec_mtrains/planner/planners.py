@@ -44,6 +44,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_mtrains.cache.policies import fbgemm_cache_algorithm
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     TieredParameterSharding,
@@ -240,8 +241,17 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
                         ),
                     )
                 elif option.placement is Placement.CACHED_DRAM:
+                    # fbgemm's cache runs the policy too (its default, LRU, would stand in).
+                    policy = self.context.config.cache_policy
+                    try:
+                        algorithm = fbgemm_cache_algorithm(policy)
+                    except ValueError as e:
+                        raise ValueError(
+                            f"table {name!r} is planned on FUSED_UVM_CACHING, whose cache cannot "
+                            f"run cache_policy={policy!r}: {e}"
+                        ) from None
                     sharding.cache_params = CacheParams(
-                        load_factor=min(_load_factor(option), 0.999)
+                        load_factor=min(_load_factor(option), 0.999), algorithm=algorithm
                     )
         self.last_summary = summarize(best, self.context, self._notes())
         logger.info("tiered plan:\n%s", self.last_summary)
