@@ -20,7 +20,12 @@ from torchrec_mtrains.cache.policies import (
     register_policy,
     select_lowest,
 )
-from torchrec_mtrains.cache.table_cache import CachePlan, CacheTooSmallError, TableCache
+from torchrec_mtrains.cache.table_cache import (
+    CachePlan,
+    CacheTooSmallError,
+    TableCache,
+    compile_kernels,
+)
 
 needs_numba = pytest.mark.skipif(not kernels.NUMBA_AVAILABLE, reason="numba is not installed")
 PLAN_FIELDS = ("slots", "load_ids", "load_slots", "evict_ids", "evict_slots", "evict_dirty")
@@ -288,3 +293,24 @@ def test_kernels_sorted_unique_matches_numpy() -> None:
         pytest.skip("numba is not installed")
     a = np.array([5, 1, 5, 3, 1, 9], dtype=np.int64)
     assert kernels._sorted_unique(a).tolist() == [1, 3, 5, 9]
+
+
+@pytest.mark.skipif(not kernels.NUMBA_AVAILABLE, reason="needs numba")
+def test_compiling_the_kernels_first_leaves_nothing_to_compile_in_training() -> None:
+    """The first training batches would otherwise wait for numba (counted as tier stall)."""
+    compile_kernels()
+    dispatchers = [f for f in vars(kernels).values() if hasattr(f, "signatures")]
+    before = [len(f.signatures) for f in dispatchers]
+    for policy in ("lru", "lfu"):
+        cache = TableCache("t", num_rows=1000, num_slots=64, policy=policy, backend="numba")
+        rng = np.random.default_rng(1)
+        for _ in range(300):  # past LFU's decay interval
+            ids = torch.from_numpy(np.unique(rng.zipf(1.2, 40) % 1000)).to(torch.int64)
+            cache.check_fits(ids)
+            plan = cache.plan(ids)
+            cache.hold(plan.slots)
+            cache.mark_dirty(plan.slots)
+            cache.release(plan.slots)
+        cache.dirty_rows()
+    assert [len(f.signatures) for f in dispatchers] == before
+    assert compile_kernels() == 0.0  # once a process

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
-from torchrec_mtrains.cache.table_cache import CachePlan, TableCache
+from torchrec_mtrains.cache.table_cache import CachePlan, TableCache, compile_kernels
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.options import (
@@ -227,6 +227,8 @@ class TieredTableGroup:
                     created=created,
                 )
             )
+        if any(shard.cache.backend == "numba" for shard in self.shards):
+            compile_kernels()  # now, not while the first batches wait for their rows
         # One pool of I/O buffers for the group's block stores: its worker moves one table's
         # rows at a time, so a pass's buffer in use and one idle serve every table.
         pass_bytes = [
