@@ -270,8 +270,8 @@ def draw_case(
             shardings.remove("column_wise")  # column shards must be multiples of 4 wide
         sharding = rng.choice(shardings)
         rows = _rows(rng, max_rows)
-        if sharding == "row_wise":
-            rows = max(rows, world_size)
+        if sharding == "row_wise":  # a row on every rank (a tiered shard of none is refused)
+            rows = max(rows, 2 if switch_worlds else world_size)
         tables.append(
             TableDraw(
                 name=name,
@@ -283,7 +283,8 @@ def draw_case(
                 rank=rng.randrange(world_size),
                 cache=rng.choice((0.0, 0.0, rng.random(), 1.0)),
                 policy=rng.choice(("lru", "lfu")),
-                hot_rows=_hot_rows(rng, rows, sharding, world_size),
+                # (leaving a slot at both world sizes a load may move the case to)
+                hot_rows=_hot_rows(rng, rows, sharding, 2 if switch_worlds else world_size),
             )
         )
     dtype = rng.choice(DTYPES)

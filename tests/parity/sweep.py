@@ -456,6 +456,9 @@ class _Schedule:
     def load(self, target: str, world: int, how: str) -> None:
         """Loads the last checkpoint (its chain) into the model, or a fresh one at ``world``."""
         if target == "fresh":
+            # Every rank of the job meets here: one that sat out a smaller world must not read
+            # the checkpoint before the ranks that write it are done.
+            dist.barrier()
             self.model = self.build(world)
         if self.model is None:
             return

@@ -58,6 +58,7 @@ class _Saved:
     width: int = 0
     one_d: bool = False
     layout_key: str | None = None
+    id_shift: int = 0  # added to the saved ids to give rows of this tensor (see _expand)
 
 
 def load_tier_checkpoint(
@@ -222,9 +223,24 @@ def _expand(item: _Saved, layouts: Mapping[str, list[list[Any]]]) -> list[_Saved
         return [item]
     row, rows, _, _ = item.where
     out = []
-    for path, column, width, one_d, global_col in layouts[item.layout_key]:
-        where = (row, rows, 0, 1) if one_d else (row, rows, global_col, width)
-        out.append(_Saved(path, where, item.ids_key, item.values_key, column, width, bool(one_d)))
+    for path, column, width, one_d, global_col, *rest in layouts[item.layout_key]:
+        # The saved ids are the shard's global rows; a row-wise state of a column-wise table
+        # holds the shard's rows from another row (``base``: layouts saved before it was
+        # recorded have none, and held the shard's row offset).
+        base = int(rest[0]) if rest else row
+        where = (base, rows, 0, 1) if one_d else (base, rows, global_col, width)
+        out.append(
+            _Saved(
+                path,
+                where,
+                item.ids_key,
+                item.values_key,
+                column,
+                width,
+                bool(one_d),
+                id_shift=base - row,
+            )
+        )
     return out
 
 
@@ -256,7 +272,7 @@ def _apply(
     for items in groups_of_items:
         direct = _DirectRows()
         for item in items:
-            ids, values = batch[item.ids_key], batch[item.values_key]
+            ids, values = batch[item.ids_key] + item.id_shift, batch[item.values_key]
             if item.column is not None:  # a tensor's columns of whole rows
                 values = values[:, item.column : item.column + item.width]
                 values = values[:, 0] if item.one_d else values
@@ -306,8 +322,11 @@ class _DirectRows:
         self, region: TierRegion, chunk: Shard, item: _Saved, ids: torch.Tensor, values: Any
     ) -> None:
         tiered = region.shard
-        keep = (ids >= tiered.row_offset) & (ids < tiered.row_offset + tiered.local_rows)
-        local = ids[keep] - tiered.row_offset
+        # The tensor's row holding the shard's first row: its row offset, except for a row-wise
+        # optimizer state of a column-wise table, which lists the rows once per column shard.
+        base = int(chunk.metadata.shard_offsets[0]) - region.first_row(chunk.tensor)
+        keep = (ids >= base) & (ids < base + tiered.local_rows)
+        local = ids[keep] - base
         picked = values[keep]
         start = region.column(chunk.tensor)
         if chunk.tensor.dim() == 1:

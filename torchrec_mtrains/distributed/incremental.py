@@ -181,10 +181,13 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 @dataclass
 class _LogTable:
     """A log-structured tiered shard found in a state dict, and its tensors there: per path,
-    the row column its view starts at, its width and whether it is 1-D."""
+    the row column its view starts at, its width, whether it is 1-D, its first global column,
+    and the row of the tensor that holds the shard's first row (the shard's row offset, except
+    for a row-wise optimizer state of a column-wise table, which lists the rows once per
+    column shard)."""
 
     region: TierRegion
-    tensors: dict[str, tuple[int, int, bool, int]] = field(default_factory=dict)
+    tensors: dict[str, tuple[int, int, bool, int, int]] = field(default_factory=dict)
 
 
 def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]) -> TierCheckpoint:
@@ -208,7 +211,8 @@ def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
             one_d = shard.tensor.dim() == 1
             width = 1 if one_d else int(shard.tensor.shape[1])
             global_col = 0 if one_d else int(shard.metadata.shard_offsets[1])
-            table.tensors[path] = (region.column(shard.tensor), width, one_d, global_col)
+            base = int(shard.metadata.shard_offsets[0]) - region.first_row(shard.tensor)
+            table.tensors[path] = (region.column(shard.tensor), width, one_d, global_col, base)
         return True
 
     out = _replace(state, replaced)

@@ -187,6 +187,13 @@ class TieredTableGroup:
         self.resident = list(resident)
         self.shards: list[TieredTableShard] = []
         for table, weight, state, placed in zip(tables, weight_slots, states, options):
+            if table.local_rows == 0:
+                raise ValueError(
+                    f"table {table.name!r}: rank {rank}'s row-wise shard of it holds no rows "
+                    f"({table.num_embeddings} rows over more ranks): a table on a tier needs a "
+                    "row on every rank it is sharded over; give it more rows or shard it "
+                    "table- or column-wise"
+                )
             directory = storage.directory(placed.tier, rank)
             cache_rows = int(weight.shape[0])
             keys, views, shapes = _split_states(state, cache_rows)
