@@ -30,6 +30,15 @@ def one_rank_process_group() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test: tiny ops on a shared 2-core machine run far faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -9,6 +9,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CheckpointManager": "torchrec_mtrains.checkpoint",
+    "CheckpointOptions": "torchrec_mtrains.checkpoint",
     "TIERED_KERNEL": "torchrec_mtrains.distributed",
     "TierStorage": "torchrec_mtrains.distributed",
     "TieredEmbeddingBagCollectionSharder": "torchrec_mtrains.distributed",

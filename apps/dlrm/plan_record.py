@@ -15,7 +15,8 @@ from typing import Any
 from torchrec.distributed.types import ParameterSharding
 
 from apps.dlrm.model import build_storage
-from apps.dlrm.run_files import PLAN_FILE, tier_dir, write_private
+from apps.dlrm.run_files import PLAN_FILE, tier_dir
+from torchrec_mtrains.checkpoint.storage import write_private
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.options import tier_file_name
 from torchrec_mtrains.planner import HostTopology

@@ -1,10 +1,8 @@
 """What a run directory holds besides checkpoints: each rank's tier files and where they go,
-the recorded plan's file name, and private files (0600 / 0700 whatever the umask: they hold
-copies of the rows)."""
+and the recorded plan's file name."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from apps.dlrm.model import tier_mounts, tier_root
@@ -13,8 +11,6 @@ from torchrec_mtrains.types import Tier
 
 TIER_FILE_GLOB = "*.rows"
 PLAN_FILE = "plan.json"
-PRIVATE_FILE = 0o600
-PRIVATE_DIR = 0o700
 
 
 def tier_files(hardware: HostTopology, run_dir: Path, rank: int) -> dict[str, tuple[int, int]]:
@@ -34,17 +30,3 @@ def tier_dir(hardware: HostTopology, run_dir: Path, tier: str, rank: int) -> Pat
     mounts = tier_mounts(hardware)
     base = Path(mounts[tier]) if tier in mounts else tier_root(hardware, run_dir) / tier
     return base / f"rank{rank}"
-
-
-def private_dir(path: Path) -> None:
-    """Creates ``path`` (and missing parents) as 0700 and makes an existing one 0700."""
-    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    path.chmod(PRIVATE_DIR)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` with mode 0600 whatever the umask."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
-    os.fchmod(fd, PRIVATE_FILE)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)

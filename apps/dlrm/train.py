@@ -151,6 +151,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 def _quiet_libraries() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("apps").setLevel(logging.INFO)
+    # The checkpoints' chain says what each checkpoint holds and how large it is.
+    logging.getLogger("torchrec_mtrains.checkpoint").setLevel(logging.INFO)
     # Known, harmless deprecation notes from TorchRec's DMP on this stack.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
     # torchrec.metrics syncs through torchmetrics, which calls collectives torch now renames.

@@ -39,11 +39,9 @@ from apps.dlrm.batches import (
 )
 from apps.dlrm.checkpoints import (
     Position,
-    checkpoint_bytes,
     checkpoint_position,
     last_checkpoint,
     load_newest,
-    next_parent,
     resume_candidates,
     save_checkpoint,
     start_over,
@@ -80,8 +78,8 @@ from apps.dlrm.report import (
 )
 from apps.dlrm.run_files import PLAN_FILE, tier_dir, tier_files
 from torchrec_mtrains.cache.table_cache import compile_kernels
+from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions, Link
 from torchrec_mtrains.distributed import HostBoundsCheck, TieredParameterSharding
-from torchrec_mtrains.distributed.incremental import track_changes
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.types import Tier
 
@@ -240,10 +238,12 @@ class Trainer:
         self._find_start()
         model, optimizer, plan_text, file_counts = self._build()
         self.phases["build"] = time.perf_counter() - t0
+        options = CheckpointOptions(full_every=self.full_every, keep=self.keep)
+        manager = CheckpointManager(self.run_dir / "checkpoints", model, optimizer, options)
         if self.last is not None:
-            self._restore(model, optimizer)
+            self._restore(manager)
         self._announce(plan_text)
-        return self._train_and_report(model, optimizer, file_counts)
+        return self._train_and_report(model, optimizer, manager, file_counts)
 
     # ------------------------------------------------------------------- where it starts
 
@@ -252,10 +252,10 @@ class Trainer:
         the data position after the newest, and the first batches every rank checks."""
         app, rank, world = self.app, self.rank, self.world
         self.candidates = resume_candidates(app.run.resume, app.hardware, self.run_dir, rank, world)
-        self.last = self.candidates[0] if self.candidates else None
-        self.start_step = self.last[0] if self.last is not None else 0
+        self.last: Link | None = self.candidates[0] if self.candidates else None
+        self.start_step = self.last.step if self.last is not None else 0
         self.position = (
-            checkpoint_position(self.last[1]) if self.last is not None else Position(0, 0)
+            checkpoint_position(self.last.path) if self.last is not None else Position(0, 0)
         )
         self.first = source(app.data, rank, world, Split.TRAIN, self.position.batch)
         self.held_out = source(app.data, rank, world, Split.EVAL)
@@ -339,15 +339,15 @@ class Trainer:
         if rank == 0 and (self.last is None or replanned or not (run_dir / PLAN_FILE).exists()):
             save_plan(run_dir, record)
 
-    def _restore(self, model: DistributedModelParallel, optimizer: CombinedOptimizer) -> None:
+    def _restore(self, manager: CheckpointManager) -> None:
         """Loads the newest checkpoint that loads (falling back past a damaged one)."""
         assert self.last is not None
         t0 = time.perf_counter()
-        loaded = load_newest(model, optimizer, self.candidates, self.rank)
+        loaded = load_newest(manager)
         if loaded != self.last:  # fell back past a damaged checkpoint: continue from the older
             self.last = loaded
-            self.start_step = loaded[0]
-            self.position = checkpoint_position(loaded[1])
+            self.start_step = loaded.step
+            self.position = checkpoint_position(loaded.path)
             self.first = source(
                 self.app.data, self.rank, self.world, Split.TRAIN, self.position.batch
             )
@@ -358,12 +358,12 @@ class Trainer:
                 "rank %d: rebuilt %d missing tier file(s) from checkpoint %s: %s",
                 self.rank,
                 len(self.rebuilt),
-                self.last[1],
+                self.last.path,
                 ", ".join(self.rebuilt),
             )
         logger.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
-            self.last[1],
+            self.last.path,
             self.start_step,
             *self.position,
         )
@@ -381,6 +381,7 @@ class Trainer:
         self,
         model: DistributedModelParallel,
         optimizer: CombinedOptimizer,
+        manager: CheckpointManager,
         file_counts: torch.Tensor,
     ) -> dict[str, Any]:
         app, rank, world, device = self.app, self.rank, self.world, self.device
@@ -403,8 +404,6 @@ class Trainer:
         pending: list[torch.Tensor] = []
         samples = 0  # this rank's
         groups = tiered_groups(model)
-        if self.full_every > 1:
-            track_changes(groups)  # incremental checkpoints write only the rows training changed
         io_before = snapshot(groups)
         timed_start = time.perf_counter()
         ckpt_every = run.checkpoint_every
@@ -423,22 +422,19 @@ class Trainer:
         running = pipeline if pipeline is not None else contextlib.nullcontext()
         step, saved = self.start_step, self.last
 
-        def checkpoint(full: bool = False) -> tuple[int, Path]:
+        def checkpoint(full: bool = False) -> Link:
             """Saves at ``step``: incremental on the last saved or loaded checkpoint when due."""
-            parent = None if full else next_parent(saved[1] if saved else None, self.full_every)
             started = time.perf_counter()
-            path = save_checkpoint(
-                model, optimizer, self.run_dir, step, position, self.keep, parent
-            )
+            link = save_checkpoint(manager, self.run_dir, step, position, full)
             self.saves.append(
                 {
                     "step": step,
-                    "parent": parent.name if parent is not None else None,
+                    "parent": link.parent,
                     "seconds": time.perf_counter() - started,
-                    "bytes": checkpoint_bytes(path) if rank == 0 else None,
+                    "bytes": link.size_bytes() if rank == 0 else None,
                 }
             )
-            return step, path
+            return link
 
         def take_losses() -> None:
             if pending:
@@ -494,15 +490,15 @@ class Trainer:
                 ckpt = found[1] if found is not None else None
             elif (
                 saved is not None
-                and saved[0] == step
+                and saved.step == step
                 and not (self.saves and self.saves[-1]["parent"])
             ):
-                ckpt = saved[1]  # nothing new to save
+                ckpt = saved.path  # nothing new to save
             else:
                 # Full, so that it loads alone (an export any dcp user can read); an incremental
                 # one of the same step is replaced.
                 saved = checkpoint(full=True)
-                ckpt = saved[1]
+                ckpt = saved.path
             # Every checkpoint's time, the periodic ones included (which the training time,
             # measured around the loop, also holds).
             self.phases["checkpoint"] = sum(float(one["seconds"]) for one in self.saves)

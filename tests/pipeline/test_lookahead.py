@@ -46,12 +46,8 @@ def _process_group(one_rank_process_group: None) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny ops on a shared 2-core machine run far faster on one intra-op thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test here runs on one intra-op thread."""
 
 
 def big_group(model: DistributedModelParallel) -> TieredTableGroup:

@@ -23,6 +23,7 @@ from test_run_dirs import tsv, write_tsv
 from apps.dlrm import checkpoints
 from apps.dlrm.errors import CheckpointError, ConfigError, one_paragraph
 from apps.dlrm.train import main
+from torchrec_mtrains.checkpoint.storage import PrivateFileSystem
 
 SMALL = ["data.batch_size=64", "run.eval_batches=4"]
 
@@ -47,7 +48,7 @@ def test_disk_full_while_saving_names_the_checkpoint_and_the_cause(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = tmp_path / "run"
-    create_stream = checkpoints._PrivateFileSystem.create_stream
+    create_stream = PrivateFileSystem.create_stream
 
     @contextlib.contextmanager
     def full_disk(self: Any, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
@@ -65,7 +66,7 @@ def test_disk_full_while_saving_names_the_checkpoint_and_the_cause(
             monkeypatch.setattr(stream, "write", write)
             yield stream
 
-    monkeypatch.setattr(checkpoints._PrivateFileSystem, "create_stream", full_disk)
+    monkeypatch.setattr(PrivateFileSystem, "create_stream", full_disk)
     with pytest.raises(CheckpointError) as info:
         main(config(run_dir, "run.steps=10", "run.checkpoint_every=4"))
     message = one_paragraph(info.value)
@@ -75,7 +76,7 @@ def test_disk_full_while_saving_names_the_checkpoint_and_the_cause(
     assert "unexpected pos" not in message and "\n" not in message
     assert not step_dir(run_dir, 8).exists()  # the unfinished checkpoint is gone
 
-    monkeypatch.setattr(checkpoints._PrivateFileSystem, "create_stream", create_stream)
+    monkeypatch.setattr(PrivateFileSystem, "create_stream", create_stream)
     resumed = main(config(run_dir, "run.steps=10", "run.checkpoint_every=4", "run.resume=true"))
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 10
 

@@ -1,0 +1,31 @@
+"""Checkpoint chains for a TorchRec training loop over ``DistributedModelParallel``, with or
+without tiered tables: full and incremental links through ``torch.distributed.checkpoint``,
+each incremental one naming its parent, retention, and a restore from the newest complete link
+at any world size (:class:`CheckpointManager`). :class:`CheckpointDirectory` reads and tidies a
+directory of links without a model."""
+
+from torchrec_mtrains.checkpoint.chain import CheckpointDirectory, on_rank0, read_link
+from torchrec_mtrains.checkpoint.manager import CheckpointManager
+from torchrec_mtrains.checkpoint.types import (
+    DONE_FILE,
+    ChainError,
+    CheckpointError,
+    CheckpointOptions,
+    CheckpointWriteError,
+    Link,
+    NoLoadableLinkError,
+)
+
+__all__ = [
+    "DONE_FILE",
+    "ChainError",
+    "CheckpointDirectory",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointOptions",
+    "CheckpointWriteError",
+    "Link",
+    "NoLoadableLinkError",
+    "on_rank0",
+    "read_link",
+]
