@@ -94,14 +94,16 @@ def test_writes_into_state_dicts_reach_the_table(
     _assert_exact(run_case(_case(tier, layout, ROWS_OF_THE_TABLE[row]), 0, tmp_path))
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("sharding", ["column_wise", "row_wise"])
 @pytest.mark.parametrize(("tier", "layout"), STORES, ids=STORE_IDS)
 def test_checkpoints_of_a_table_in_shards_on_one_rank(
-    tmp_path: Path, tier: str, layout: str, sharding: str
+    tmp_path: Path, tier: str, layout: str, sharding: str, optimizer: str
 ) -> None:
     """A column-wise table puts two shards on the one rank (a full checkpoint of a log kept
-    the first alone)."""
-    case = _case(tier, layout, ROWS_OF_THE_TABLE["incremental_chain"], optimizer="adagrad")
+    the first alone), and TorchRec lists a row-wise state's rows once per column shard (a
+    log's checkpoints put them all at the first shard's rows)."""
+    case = _case(tier, layout, ROWS_OF_THE_TABLE["incremental_chain"], optimizer=optimizer)
     tables = (dataclasses.replace(case.tables[0], sharding=sharding, dim=16), case.tables[1])
     _assert_exact(run_case(dataclasses.replace(case, tables=tables), 0, tmp_path))
 
