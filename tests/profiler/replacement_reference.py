@@ -32,9 +32,10 @@ def windows(trace: Trace, lookahead: int) -> list[frozenset[int]]:
     ]
 
 
-def optimal_hits(trace: Trace, cache_rows: int, lookahead: int) -> int | None:
-    """The most hits any cache of ``cache_rows`` rows can have: every set of rows it may hold
-    after each batch (the window's rows, plus any of what it held or loaded), searched."""
+def optimal_hits(trace: Trace, cache_rows: int, lookahead: int, first: int = 0) -> int | None:
+    """The most hits any cache of ``cache_rows`` rows can have in the batches from ``first``
+    on: every set of rows it may hold after each batch (the window's rows, plus any of what it
+    held or loaded), searched."""
     need = windows(trace, lookahead)
     if any(len(w) > cache_rows for w in need):
         return None
@@ -43,7 +44,7 @@ def optimal_hits(trace: Trace, cache_rows: int, lookahead: int) -> int | None:
     def best(t: int, cache: frozenset[int]) -> int:
         if t == len(trace):
             return 0
-        hits = len(cache.intersection(trace[t]))
+        hits = len(cache.intersection(trace[t])) if t >= first else 0
         pool = cache | set(trace[t])
         optional = sorted(pool - need[t])
         room = cache_rows - len(need[t])

@@ -21,7 +21,9 @@ Policies:
       (their next use) and keeping each one that still fits everywhere is optimal, and is what
       MIN does (it drops the interval that ends last). A segment tree over batches (range
       add, range max) checks and books each interval in O(log T), so the whole trace takes
-      O(N log T) for N unique lookups in T batches, at one cache size.
+      O(N log T) for N unique lookups in T batches, at one cache size. To bound the hits of
+      the batches from ``first`` on only (a measured window after a warm-up), the intervals
+      that end before ``first`` are never kept: they would take room and count for nothing.
     * ``min_seen_ahead``: a realizable policy that sees only the ids of the ``horizon``
       batches after the one it plans (MIN restricted to what a pipeline reading the data that
       far ahead knows): it evicts first, least recently used first, the rows it sees no use
@@ -292,10 +294,11 @@ def _tree_max(t: _I64, d: _I64, size: int, height: int, lo: int, hi: int) -> int
 
 @_jit
 def _min_hits(
-    offsets: _I64, prev: _I32, windows: _I64, cache_rows: int, lookahead: int
+    offsets: _I64, prev: _I32, windows: _I64, cache_rows: int, lookahead: int, first: int
 ) -> tuple[bool, _I64]:
-    """Belady's MIN by interval packing (see the module docstring): ``(feasible, hits per
-    batch)``; not feasible when a window does not fit the cache."""
+    """Belady's MIN by interval packing (see the module docstring), the most hits of the
+    batches from ``first`` on: ``(feasible, hits per batch)``; not feasible when a window
+    does not fit the cache."""
     num_batches = offsets.size - 1
     hits = np.zeros(num_batches, np.int64)
     if num_batches == 0:
@@ -322,7 +325,7 @@ def _min_hits(
                 hits[b] += 1  # held until its next use: no choice to make
                 continue
             lo = j + lookahead + 1
-            if _tree_max(t, d, size, height, lo, b) < cache_rows:
+            if b >= first and _tree_max(t, d, size, height, lo, b) < cache_rows:
                 _tree_add(t, d, size, lo, b, 1)
                 hits[b] += 1
     return True, hits
@@ -566,6 +569,7 @@ def batch_hits(
     *,
     horizon: int | None = None,
     decay_interval: int = LFU_DECAY_INTERVAL,
+    first: int = 0,
 ) -> _I64 | None:
     """Hits per batch of ``policy`` with a cache of ``cache_rows`` rows.
 
@@ -577,6 +581,8 @@ def batch_hits(
         horizon: batches after the planned one that ``min_seen_ahead`` sees (default
             ``lookahead``).
         decay_interval: batches between LFU's halvings of its counts.
+        first: MIN maximizes the hits of the batches from this one on (its hits of earlier
+            batches are then not MIN's); the other policies do not look at it.
 
     Returns:
         Hits per batch, or ``None`` when some window does not fit the cache.
@@ -588,7 +594,7 @@ def batch_hits(
     rows = int(cache_rows)
     if policy is ReplacementPolicy.MIN:
         windows = trace.window_rows(lookahead)
-        ok, hits = _min_hits(trace.offsets, trace.prev_batch, windows, rows, lookahead)
+        ok, hits = _min_hits(trace.offsets, trace.prev_batch, windows, rows, lookahead, first)
     elif policy is ReplacementPolicy.MIN_SEEN_AHEAD:
         ahead = lookahead if horizon is None else horizon
         if ahead < 0:
@@ -627,20 +633,27 @@ def policy_hit_rates(
     *,
     horizon: int | None = None,
     decay_interval: int = LFU_DECAY_INTERVAL,
-    batches: slice = slice(None),
+    first: int = 0,
 ) -> _F64:
-    """Hit rate of ``policy`` at each cache size: hits / unique lookups of ``batches`` (all by
-    default; the cache runs the whole trace either way). NaN where a window does not fit;
-    0 for a trace without lookups. See :func:`batch_hits` for the arguments."""
+    """Hit rate of ``policy`` at each cache size: hits / unique lookups of the batches from
+    ``first`` on (all by default; the cache runs the whole trace either way, and MIN bounds
+    the hits of those batches). NaN where a window does not fit; 0 for a trace without
+    lookups. See :func:`batch_hits` for the arguments."""
     sizes = np.asarray(cache_rows).reshape(-1)
-    lookups = int(trace.batch_lookups()[batches].sum())
+    lookups = int(trace.batch_lookups()[first:].sum())
     out = np.full(sizes.shape, np.nan, dtype=np.float64)
     for i, rows in enumerate(sizes.tolist()):
         hits = batch_hits(
-            trace, policy, rows, lookahead, horizon=horizon, decay_interval=decay_interval
+            trace,
+            policy,
+            rows,
+            lookahead,
+            horizon=horizon,
+            decay_interval=decay_interval,
+            first=first,
         )
         if hits is not None:
-            out[i] = float(hits[batches].sum()) / lookups if lookups else 0.0
+            out[i] = float(hits[first:].sum()) / lookups if lookups else 0.0
     return out
 
 
