@@ -23,8 +23,9 @@ cache's LFU (:mod:`~torchrec_mtrains.profiler.replacement`), with the rows of th
 ``lookahead + 1`` batches in flight held resident as the look-ahead pipeline holds them. A
 table without lookups in a profiled batch gets an empty batch in its trace, so the windows of
 all tables span the same batches. Each curve point is one compiled pass over the trace per
-policy: about 0.3 s per point per million kept ids for the three, on one core (so seconds for
-a profile of a few hundred batches; ``policy_curves=False`` skips them).
+policy: about half a second per point per million kept ids for the three, on one core (well
+under a second for a profile of a few hundred small batches, a minute for a 4M-id table;
+``policy_curves=False`` skips them).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class ProfilerConfig:
     max_profiled_batches: int | None = None
     dense_count_limit: int = 1 << 22
     policy_curves: bool = True
-    policy_curve_points: int = 24
+    policy_curve_points: int = 16
     lookahead: int = 2
 
     def __post_init__(self) -> None:
