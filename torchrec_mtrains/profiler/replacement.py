@@ -33,8 +33,9 @@ Policies:
     * ``lru`` / ``lfu``: the row cache's policies replayed exactly (victims in ascending
       ``(count, last use, slot)`` order among rows not in the window, misses taking free slots
       first, LFU's counts restarting at each load and halved every ``decay_interval``
-      batches), with a heap keyed by that order: O(N log C). The tests hold them to
-      ``TableCache`` batch by batch.
+      batches): LFU with a heap keyed by that order, O(N log N); LRU with a FIFO (rows leave
+      the window in order of last use), O(N) but for sorting each batch's slots. The tests
+      hold both to ``TableCache`` batch by batch.
 
 Next uses come from one backward pass and previous uses from one forward pass over the
 trace; every pass is compiled with numba (without the GIL) when it is installed.
@@ -484,8 +485,10 @@ def _replay_hits(
     decay_interval: int,
 ) -> tuple[bool, _I64]:
     """The row cache's LRU (``counting`` false) or LFU replayed: ``(feasible, hits per
-    batch)``. Rows outside the window sit in a min-heap keyed ``(count << 32 | last use,
-    slot)``; an entry is live iff its slot still holds a row of that count and last use."""
+    batch)``. LFU keeps the rows outside the window in a min-heap keyed ``(count << 32 | last
+    use, slot)``; an entry is live iff its slot still holds a row of that count and last use.
+    LRU's rows leave the window in order of last use, so a FIFO of each released batch's
+    slots, sorted, is already its victim order."""
     num_batches = offsets.size - 1
     n = ids.size
     hits = np.zeros(num_batches, np.int64)
@@ -495,17 +498,26 @@ def _replay_hits(
     last = np.full(distinct, -1, np.int64)
     k1 = np.empty(n + max(cache_rows, 1) + 1, np.int64)
     k2 = np.empty(n + max(cache_rows, 1) + 1, np.int64)
-    heap = 0
+    heap = 0  # LFU: entries in the heap; LRU: the FIFO's tail
+    head = 0  # LRU: the FIFO's head
     num_free = cache_rows
     plans = 0
     misses = np.empty(n, np.int64)
     for t in range(num_batches):
         r = t - lookahead - 1
         if r >= 0:  # batch r's holds are released
+            start = heap
             for a in range(offsets[r], offsets[r + 1]):
                 if nxt[a] >= t:
                     x = ids[a]
-                    heap = _heap_push(k1, k2, heap, (count[x] << 32) | last[x], slot_of[x])
+                    if counting:
+                        heap = _heap_push(k1, k2, heap, (count[x] << 32) | last[x], slot_of[x])
+                    else:
+                        k1[heap] = r
+                        k2[heap] = slot_of[x]
+                        heap += 1
+            if not counting:
+                k2[start:heap] = np.sort(k2[start:heap])
         num_miss = 0
         for a in range(offsets[t], offsets[t + 1]):
             x = ids[a]
@@ -525,7 +537,15 @@ def _replay_hits(
                 num_free -= 1
             else:
                 s = -1
-                while heap > 0:
+                while not counting and head < heap:
+                    v = k2[head]
+                    y = id_of[v]
+                    head += 1
+                    if y >= 0 and last[y] == k1[head - 1]:
+                        s = v
+                        slot_of[y] = -1
+                        break
+                while counting and heap > 0:
                     heap = _heap_pop(k1, k2, heap)
                     v = k2[heap]
                     y = id_of[v]
