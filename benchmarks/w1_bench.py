@@ -880,7 +880,8 @@ def print_hit_rate_bounds(results: dict[str, Any]) -> None:
                 f"batches the timed steps planned ({first}..{end - 1}; a counter may hold one "
                 f"more or less, planned in the background), look-ahead {k}; at the same cache "
                 f"size: the cache's policy replayed, MIN seeing only the next {k} batches, and "
-                "MIN (Belady's optimal: the most hits any cache has in those batches)"
+                "MIN (Belady's optimal: the most hits any cache has in those batches); computed "
+                f"after the run in {bounds.get('seconds', 0.0):.1f} s"
             )
             labels = ("measured", *(label.replace("k", str(k)) for _, _, label in _BOUNDS))
             print(
