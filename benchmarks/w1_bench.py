@@ -36,6 +36,14 @@ for tier I/O; all: step time beyond A's), peak RSS and the cgroup's peak usage. 
 miss service (rows read per second of read time) is compared with fio's random 4 KiB reads at
 queue depth 32 on the same file system.
 
+Beside ours' measured hit rates, per table and overall, the hit rates at the same cache sizes of
+Belady's optimal replacement (MIN: the bound for any policy), of MIN seeing only the next
+``--lookahead`` batches, and of ours' own policy replayed (``torchrec_mtrains.profiler``'s
+replacement policies), on the batches the timed steps planned, with the rows of the batches in
+flight held as the pipeline holds them. The parent computes them from the same batch stream
+after each run, never inside one; the replay matches the measured hit rate when both saw the
+same batches.
+
 Every variant runs with ``THP_MEM_ALLOC_ENABLE=1`` (``--no-thp`` turns it off): PyTorch then backs
 large tensors with transparent huge pages, which removes most of the per-step page faults of
 freshly allocated activations and gradients, in A as in the others.
@@ -105,6 +113,7 @@ from torchrec_mtrains.benchmark.tier_probes import (
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
+from torchrec_mtrains.profiler import BatchTrace, ReplacementPolicy, batch_hits
 
 logger = logging.getLogger("w1_bench")
 
@@ -372,6 +381,22 @@ def train(
     else:
         out["hit_rate"] = None
     if groups:
+        # What the hit-rate bounds replay (the parent's hit_rate_bounds): each cache, and the
+        # batches the timed steps planned (the pipeline plans batch i + k in step i).
+        ahead = spec.lookahead if pipeline is not None else 0
+        out["timed_planned_batches"] = [done + ahead, done + timed_steps + ahead]
+        out["tiered_shards"] = {
+            key: {
+                "table": shard.name,
+                "row_offset": shard.row_offset,
+                "rows": shard.local_rows,
+                "cache_rows": shard.cache.num_slots,
+                "policy": shard.cache.policy.name,
+                "pinned_rows": int(shard.cache.pinned.sum()),
+            }
+            for group in groups
+            for key, shard in zip(group.stats(), group.shards)
+        }
         for group in groups:
             group.drain()  # queued prefetch I/O done: the tier is idle
         per_step = (
@@ -384,6 +409,122 @@ def train(
 
 
 # ---------------------------------------------------------------------------------- parent
+
+
+class StreamIds:
+    """Each table's unique ids per batch of the stream every variant trains on (batch ``i`` is
+    a pure function of ``i``), made in the parent on demand, outside any run, and kept for the
+    next budget's run (4 bytes an id)."""
+
+    def __init__(self, wl: Workload) -> None:
+        self.stream = BatchStream(wl)
+        self.tables = {c.name: i for i, c in enumerate(wl.configs())}
+        self.ids: list[list[np.ndarray]] = [[] for _ in wl.sizes]
+
+    def batches(self, table: str, count: int) -> list[np.ndarray]:
+        """The first ``count`` batches' sorted unique ids of ``table``."""
+        while len(self.ids[0]) < count:
+            kjt = self.stream[len(self.ids[0])].sparse_features
+            values = kjt.values().numpy()
+            bounds = np.cumsum([0, *kjt.length_per_key()])
+            for t in range(len(self.ids)):
+                part = np.unique(values[bounds[t] : bounds[t + 1]]).astype(np.int32)
+                self.ids[t].append(part)
+        return self.ids[self.tables[table]][:count]
+
+
+_SLACK = 2
+"""Batches by which the measured window may miss the nominal one at each end: the tier worker
+plans prefetched batches in the background, so a counter snapshot can come before or after
+it planned the batch then in flight."""
+_BOUNDS = (
+    # key in hit_rate_bounds, policy (None: the cache's own), what the printout calls it
+    ("replayed", None, "replayed"),
+    ("seen_ahead", ReplacementPolicy.MIN_SEEN_AHEAD, "MIN seeing k"),
+    ("min", ReplacementPolicy.MIN, "MIN"),
+)
+
+
+def hit_rate_bounds(run: dict[str, Any], ids: StreamIds) -> dict[str, Any] | None:
+    """Ours' measured hit rate per tiered table shard beside, at the same cache size and on the
+    batches the timed steps planned, the hit rate of Belady's MIN (the most hits any cache
+    could have in those batches, after the same earlier ones), of MIN seeing only the next
+    ``lookahead`` batches, and of the cache's own policy replayed (which the measured one
+    equals when both saw the same batches); per shard and over all of them, weighted by
+    lookups. ``None`` for a run without tiered tables."""
+    shards = run.get("tiered_shards") if run.get("ok") else None
+    if not shards:
+        return None
+    k = int(run["lookahead"])
+    batches = {
+        key: [
+            b[(b >= shard["row_offset"]) & (b < shard["row_offset"] + shard["rows"])]
+            - shard["row_offset"]
+            for b in ids.batches(shard["table"], run["timed_planned_batches"][1] + _SLACK)
+        ]
+        for key, shard in shards.items()
+    }
+    tables: dict[str, dict[str, Any]] = {}
+    for key, shard in shards.items():
+        measured = run["tiers"]["tables"][key]
+        first, end = _measured_batches(run, batches[key], int(measured["lookups"]))
+        # Cut at the window's end: MIN would trade its last hits for later ones.
+        trace = BatchTrace.from_batches(batches[key][:end])
+        row: dict[str, Any] = {
+            "batches": [first, end],
+            "cache_rows": shard["cache_rows"],
+            "policy": shard["policy"],
+            "pinned_rows": shard["pinned_rows"],
+            "lookups": int(trace.batch_lookups()[first:].sum()),
+            "measured_lookups": int(measured["lookups"]),
+            "hits": {"measured": int(measured["hits"])},
+        }
+        for name, policy, _ in _BOUNDS:
+            hits = batch_hits(trace, policy or shard["policy"], shard["cache_rows"], k, first=first)
+            row["hits"][name] = None if hits is None else int(hits[first:].sum())
+        tables[key] = row
+    overall: dict[str, float | None] = {}
+    for name in ("measured", *(b[0] for b in _BOUNDS)):
+        for t in tables.values():
+            t.setdefault("hit_rate", {})[name] = _hit_rate(t["hits"][name], _lookups(t, name))
+        counts = [t["hits"][name] for t in tables.values()]
+        total = sum(_lookups(t, name) for t in tables.values())
+        overall[name] = None if None in counts else _hit_rate(sum(counts), total)
+    return {
+        "lookahead": k,
+        "batches": run["timed_planned_batches"],
+        "tables": tables,
+        "overall": overall,
+    }
+
+
+def _measured_batches(
+    run: dict[str, Any], batches: list[np.ndarray], lookups: int
+) -> tuple[int, int]:
+    """The batches ``[first, end)`` whose lookups a shard's counters hold: those the timed steps
+    planned (``timed_planned_batches``) or, where a counter snapshot came before or after the
+    tier worker planned the batch then in flight, the nearest range whose lookups match."""
+    first, end = run["timed_planned_batches"]
+    near = sorted(
+        itertools.product(
+            range(first - _SLACK, first + _SLACK + 1), range(end - _SLACK, end + _SLACK + 1)
+        ),
+        key=lambda ab: (abs(ab[0] - first) + abs(ab[1] - end), ab),
+    )
+    for a, b in near:
+        if 0 <= a < b and sum(len(x) for x in batches[a:b]) == lookups:
+            return a, b
+    return first, end  # the printout flags a shard whose lookups differ
+
+
+def _lookups(row: dict[str, Any], name: str) -> int:
+    """The lookups a hit count of :func:`hit_rate_bounds` is out of: the measured ones for the
+    measured hits, the trace's for the computed ones (the same when the batches are)."""
+    return int(row["measured_lookups" if name == "measured" else "lookups"])
+
+
+def _hit_rate(hits: int | None, lookups: int) -> float | None:
+    return None if hits is None or not lookups else hits / lookups
 
 
 @dataclass
@@ -509,6 +650,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "ours_excess_ms_per_step": _excess(ours, a),
             "ours_stall_ms_per_step": ours.get("stall_ms_per_step"),
             "ours_hit_rate": ours.get("hit_rate"),
+            "ours_min_hit_rate": ((ours.get("hit_rate_bounds") or {}).get("overall") or {}).get(
+                "min"
+            ),
             "ours_stall_share": ours.get("stall_share"),
             **_device_floor(ours, a, results.get("fio", {}).get("iops_mean")),
         }
@@ -672,7 +816,7 @@ def print_summary(results: dict[str, Any]) -> None:
             )
     hdr = (
         f"{'budget':>7} {'cap GiB':>8} {'B s/s':>10} {'ours s/s':>10} {'B/A':>6} "
-        f"{'ours/A':>7} {'ours/B':>7} {'hit':>6} {'stall':>6}"
+        f"{'ours/A':>7} {'ours/B':>7} {'hit':>6} {'MIN':>6} {'stall':>6}"
     )
     print(hdr)
 
@@ -685,8 +829,10 @@ def print_summary(results: dict[str, Any]) -> None:
             f"{r['budget_fraction']:>7.0%} {f(cap, '>8.2f')} {f(r['B_samples_per_s'], '>10,.0f')} "
             f"{f(r['ours_samples_per_s'], '>10,.0f')} {f(r['B_vs_A'], '>6.2f')} "
             f"{f(r['ours_vs_A'], '>7.2f')} {f(r['ours_vs_B'], '>7.2f')} "
-            f"{f(r['ours_hit_rate'], '>6.3f')} {f(r['ours_stall_share'], '>6.1%')}"
+            f"{f(r['ours_hit_rate'], '>6.3f')} {f(r.get('ours_min_hit_rate'), '>6.3f')} "
+            f"{f(r['ours_stall_share'], '>6.1%')}"
         )
+    print_hit_rate_bounds(results)
     for r in s["table"]:
         if r["ours_flat_samples_per_s"]:
             print(
@@ -717,6 +863,53 @@ def print_summary(results: dict[str, Any]) -> None:
         print(f"target {name}: {t['value']:.3f} ({bound} {t['target']:g}) {verdict}")
     load = results["machine"]["load_average"]
     print(f"load average at start {results['machine_start_load']}, at end {load}")
+
+
+def print_hit_rate_bounds(results: dict[str, Any]) -> None:
+    """Per budget, each tiered table's measured hit rate beside MIN's and the others' at its
+    cache size (see :func:`hit_rate_bounds`), and over all of them."""
+    for key, pair in results["budgets"].items():
+        for variant in ("ours", "ours_flat"):
+            bounds = (pair.get(variant) or {}).get("hit_rate_bounds")
+            if not bounds:
+                continue
+            first, end = bounds["batches"]
+            k = bounds["lookahead"]
+            print(
+                f"\n{variant} at {float(key):.0%}: hit rates of the tiered tables' caches on the "
+                f"batches the timed steps planned ({first}..{end - 1}; a counter may hold one "
+                f"more or less, planned in the background), look-ahead {k}; at the same cache "
+                f"size: the cache's policy replayed, MIN seeing only the next {k} batches, and "
+                "MIN (Belady's optimal: the most hits any cache has in those batches); computed "
+                f"after the run in {bounds.get('seconds', 0.0):.1f} s"
+            )
+            labels = ("measured", *(label.replace("k", str(k)) for _, _, label in _BOUNDS))
+            print(
+                f"{'table':<18}{'batches':>9}{'policy':>7}{'cache rows':>12}{'lookups':>10}"
+                + "".join(f"{label:>14}" for label in labels)
+            )
+            for name, t in bounds["tables"].items():
+                span = f"{t['batches'][0]}..{t['batches'][1] - 1}"
+                print(
+                    f"{name:<18}{span:>9}{t['policy']:>7}{t['cache_rows']:>12,}"
+                    f"{t['lookups']:>10,}" + _rates(t["hit_rate"])
+                )
+                if t["lookups"] != t["measured_lookups"]:
+                    print(
+                        f"  ({name}: {t['measured_lookups']:,} lookups measured, "
+                        f"{t['lookups']:,} replayed: not the same batches)"
+                    )
+                if t["pinned_rows"]:
+                    print(f"  ({name}: {t['pinned_rows']:,} pinned rows, which the replay omits)")
+            total = sum(t["lookups"] for t in bounds["tables"].values())
+            label = f"all {len(bounds['tables'])} tables"
+            print(f"{label:<46}{total:>10,}" + _rates(bounds["overall"]))
+
+
+def _rates(values: dict[str, float | None]) -> str:
+    """The measured and computed hit rates of :func:`hit_rate_bounds`, as printed."""
+    names = ("measured", *(name for name, _, _ in _BOUNDS))
+    return "".join(f"{'-' if values[n] is None else format(values[n], '.3f'):>14}" for n in names)
 
 
 _SERIES = (
@@ -1019,6 +1212,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     work = Path(tempfile.mkdtemp(prefix="w1_bench_", dir=args.dir))
     runner = Runner(args, wl, steps, work, capped, reason)
+    stream_ids = StreamIds(wl)
     results: dict[str, Any] = {
         "workload": {**asdict(wl), "embedding_bytes": wl.embedding_bytes},
         "args": {k: str(v) for k, v in vars(args).items() if k not in ("cgroup", "worker")},
@@ -1080,6 +1274,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     continue
                 which = {"B": b_steps, "B_plain": b_plain_steps}.get(variant)
                 pair[variant] = runner.launch(variant, budget, cap, which)
+                if variant.startswith("ours"):  # in the parent, between runs
+                    t0 = time.perf_counter()
+                    bounds = hit_rate_bounds(pair[variant], stream_ids)
+                    if bounds is not None:
+                        bounds["seconds"] = time.perf_counter() - t0
+                    pair[variant]["hit_rate_bounds"] = bounds
             results["budgets"][_key(budget)] = pair
         if args.fio and not args.smoke:
             after = run_fio(work, args.fio_seconds, "2G")

@@ -65,7 +65,18 @@ def test_w1_smoke(tmp_path: Path) -> None:
     assert 0.0 <= ours["hit_rate"] <= 1.0 and ours["tiers"]["lookups"] > 0
     assert ours["stall_share"] is not None and ours["block_reads"]["rows"] > 0
     assert "block_scm" in ours["plan"]
+    # Beside the measured hit rates, the same caches replayed and MIN's on the same batches.
+    bounds = ours["hit_rate_bounds"]
+    assert bounds["lookahead"] == 2 and bounds["tables"]
+    for name, t in bounds["tables"].items():
+        hits = t["hits"]
+        assert hits["min"] >= max(hits["replayed"], hits["seen_ahead"]), name
+        if t["lookups"] == t["measured_lookups"]:  # the same batches: the replay is the cache
+            assert hits["replayed"] == hits["measured"] <= hits["min"], name
+    assert "MIN (Belady's optimal" in done.stdout and "MIN seeing 2" in done.stdout
+    assert f"all {len(bounds['tables'])} tables" in done.stdout
     row = r["summary"]["table"][0]
+    assert row["ours_min_hit_rate"] == bounds["overall"]["min"] > 0
     assert row["ours_vs_A"] > 0 and row["ours_vs_B"] > 0
     assert set(r["summary"]["targets"]) >= {"ours_vs_A_at_15pct", "ours_vs_B_at_15pct"}
     if r["capped"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +67,23 @@ def test_26_tables_show_the_largest_and_summarize_the_rest(
     for name, label in zip(largest[:DEFAULT_MAX_TABLES], labels):
         assert label.startswith(f"{name}: ")
     assert labels[-1].startswith(f"other {26 - DEFAULT_MAX_TABLES} tables, 3-15k rows")
-    assert len(_other_lines(fig)) == 2  # the summary curve on both panels
-    for ax in fig.axes:
+    assert len(_other_lines(fig)) == 2  # the summary curve on the hit-rate and skew panels
+    hit_ax, policy_ax, skew_ax = fig.axes
+    for ax in (hit_ax, skew_ax):
         colors = [line.get_color() for line in ax.get_lines() if line.get_gid() != "other"]
         assert len(colors) == DEFAULT_MAX_TABLES and len(set(colors)) == DEFAULT_MAX_TABLES
+    # The policy panel: each shown table's LRU, LFU and MIN, in its colour.
+    by_policy = {
+        p: [line for line in policy_ax.get_lines() if line.get_gid() == p]
+        for p in ("lru", "lfu", "min")
+    }
+    assert all(len(lines) == DEFAULT_MAX_TABLES for lines in by_policy.values())
+    assert [line.get_color() for line in by_policy["min"]] == colors
+    assert [t.get_text() for t in policy_ax.get_legend().get_texts()] == [
+        "LRU",
+        "LFU",
+        "MIN (Belady's optimal)",
+    ]
     # The legend lies outside both panels, so it hides no curve.
     fig.canvas.draw()
     box = fig.legends[0].get_window_extent()
@@ -89,7 +103,29 @@ def test_one_table_has_one_entry_and_no_summary(profile26: AccessProfile) -> Non
     pooling = one["t_cat_9"].accesses_per_sample
     assert _legend_labels(fig) == [f"t_cat_9: 93.1k rows, {pooling:.3g} ids/sample"]
     assert not _other_lines(fig)
-    assert all(len(ax.get_lines()) == 1 for ax in fig.axes)
+    hit_ax, policy_ax, skew_ax = fig.axes
+    assert len(hit_ax.get_lines()) == len(skew_ax.get_lines()) == 1
+    assert [line.get_gid() for line in policy_ax.get_lines()] == ["lru", "lfu", "min"]
+
+
+def test_policy_lines_are_the_profile_curves(profile26: AccessProfile) -> None:
+    table = profile26["t_cat_9"]
+    curves = table.policy_curves
+    assert curves is not None
+    fig = profile_figure(_profile({"t_cat_9": table}))
+    lines = {line.get_gid(): line for line in fig.axes[1].get_lines()}
+    xs, ys = (np.asarray(v, dtype=float) for v in lines["min"].get_data())
+    assert xs.tolist() == [x / table.num_rows for x, _ in curves.optimal]
+    assert ys.tolist() == [y for _, y in curves.optimal]
+    xs, ys = (np.asarray(v, dtype=float) for v in lines["lru"].get_data())
+    assert xs[0] == curves.min_cache_rows / table.num_rows  # from where a window fits
+    assert ys[0] == pytest.approx(table.hit_rate(curves.min_cache_rows))
+
+
+def test_a_profile_without_policy_curves_has_two_panels(profile26: AccessProfile) -> None:
+    old = dataclasses.replace(profile26["t_cat_9"], policy_curves=None)
+    fig = profile_figure(_profile({"t_cat_9": old}))
+    assert len(fig.axes) == 2 and all(len(ax.get_lines()) == 1 for ax in fig.axes)
 
 
 def test_the_busiest_table_is_shown_though_small() -> None:

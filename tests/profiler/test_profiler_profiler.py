@@ -17,6 +17,7 @@ from torchrec_mtrains.profiler import (
     ProfileSource,
     TableInfo,
     profile_batches,
+    replacement,
 )
 
 ALL = ProfilerConfig(sampling_rate=1.0)
@@ -221,3 +222,41 @@ def test_a_rejected_batch_leaves_no_partial_statistics() -> None:
     profile = profiler.finish()
     assert profile.batches_profiled == 1
     assert profile["t0"].hot_rows == (1, 2) and profile["t0"].accesses_per_sample == 2.0
+
+
+def test_policy_curves_are_those_of_the_profiled_trace() -> None:
+    # t1 has no lookups in batches 1 and 4: its trace keeps them as empty batches, so its
+    # windows span the same batches as t0's.
+    t0 = zipf_batches(3, 100, 1.2, 64, 12)
+    t1 = zipf_batches(4, 50, 1.1, 16, 12)
+    batches = [
+        {"t0": a, "t1": b} if i not in (1, 4) else {"t0": a} for i, (a, b) in enumerate(zip(t0, t1))
+    ]
+    cfg = ProfilerConfig(lookahead=1, policy_curve_points=6)
+    profile = profile_batches(batches, TABLES, 1.0, 0, batch_size=8, config=cfg)
+    for name, ids in (("t0", t0), ("t1", [b if i not in (1, 4) else [] for i, b in enumerate(t1)])):
+        want = replacement.policy_curves(replacement.BatchTrace.from_batches(ids), 1, 6)
+        assert profile[name].policy_curves == want
+    curves = profile["t1"].policy_curves
+    assert curves is not None and curves.lookahead == 1 and len(curves.optimal) == 6
+    # Every policy ends at the cold misses alone, and MIN is the best of them.
+    assert curves.optimal[-1][1] == profile["t1"].max_hit_rate
+    for rows, best in curves.optimal:
+        assert best >= profile["t1"].hit_rate(rows) - 1e-12
+        for policy in ("lfu", "min_seen_ahead"):
+            rate = profile["t1"].policy_hit_rate(policy, rows)
+            assert rate is not None and best >= rate - 1e-12
+    assert profile["t1"].policy_hit_rate("min", curves.min_cache_rows - 1) is None
+
+
+def test_policy_curves_only_from_the_exact_trace() -> None:
+    batches = [{"t0": b} for b in zipf_batches(5, 100, 1.1, 32, 10)]
+    shards = ProfilerConfig(hit_rate_method=HitRateMethod.SHARDS)
+    off = ProfilerConfig(policy_curves=False)
+    for cfg in (shards, off):
+        profile = profile_batches(batches, TABLES, 1.0, 0, batch_size=4, config=cfg)["t0"]
+        assert profile.policy_curves is None and profile.policy_hit_rate("min", 50) is None
+        assert profile.policy_hit_rate("lru", 50) == profile.hit_rate(50)
+    for bad in ({"lookahead": -1}, {"policy_curve_points": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ProfilerConfig(**bad)  # type: ignore[arg-type]

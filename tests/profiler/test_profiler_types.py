@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,8 +15,10 @@ from torchrec_mtrains.profiler import (
     PROFILE_VERSION,
     AccessProfile,
     HitRateMethod,
+    PolicyCurves,
     ProfileFormatError,
     ProfileSource,
+    ReplacementPolicy,
     TableInfo,
     TableProfile,
     profile_batches,
@@ -129,3 +132,53 @@ def test_invalid_profiles_are_rejected(profile: AccessProfile) -> None:
         AccessProfile({"x": profile["small"]}, 1.0, 0, 1, 1, 1)
     with pytest.raises(ValueError, match="positive int"):
         TableInfo(num_rows=0, dim=4)
+
+
+def test_policy_curves_round_trip_and_old_profiles_load(
+    profile: AccessProfile, tmp_path: Path
+) -> None:
+    large = profile["large"]
+    curves = large.policy_curves
+    assert curves is not None and curves.lookahead == 2 and curves.optimal
+    data = json.loads(profile.to_json(tmp_path / "p.json").read_text())
+    assert set(data["tables"]["large"]["policy_curves"]) == {
+        "lookahead",
+        "min_cache_rows",
+        "lfu_decay_interval",
+        "min",
+        "min_seen_ahead",
+        "lfu",
+    }
+    # A profile written before the curves: it loads, has none, and LRU reads as before.
+    for table in data["tables"].values():
+        del table["policy_curves"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = AccessProfile.from_json(tmp_path / "old.json")["large"]
+    assert old.policy_curves is None and old.policy_hit_rate("min", 5_000) is None
+    assert old == dataclasses.replace(large, policy_curves=None)
+    assert old.policy_hit_rate("lru", 5_000) == large.hit_rate(5_000)
+    # Interpolated between points; nothing below the smallest cache that runs the trace.
+    (x0, y0), (x1, y1) = curves.optimal[:2]
+    assert large.policy_hit_rate("min", (x0 + x1) / 2) == pytest.approx((y0 + y1) / 2)
+    assert large.policy_hit_rate(ReplacementPolicy.MIN, x0 - 1) is None
+    assert large.policy_hit_rate("lfu", 10**9) == curves.lfu[-1][1]
+    with pytest.raises(ValueError, match="profile's hit_rate_curve"):
+        curves.curve("lru")
+
+
+def test_invalid_policy_curves_are_rejected(profile: AccessProfile) -> None:
+    good = profile["small"].policy_curves
+    assert good is not None
+    lowest = good.min_cache_rows
+    for change, message in [
+        ({"optimal": ((lowest, 0.5), (lowest + 9, 0.4))}, "non-decreasing"),
+        ({"lfu": ((lowest - 1, 0.5),)}, "increase strictly from"),
+        ({"seen_ahead": ((lowest, 1.5),)}, r"within \[0, 1\]"),
+        ({"lookahead": -1}, "lookahead"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(good, **change)  # type: ignore[arg-type]
+    # LFU is no stack algorithm: a larger cache may hit less, and the curve may say so.
+    dip = ((lowest, 0.5), (lowest + 9, 0.4))
+    assert dataclasses.replace(good, lfu=dip).hit_rate("lfu", lowest + 9) == 0.4
+    assert PolicyCurves.from_dict(good.to_dict()) == good

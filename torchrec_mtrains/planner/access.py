@@ -22,7 +22,9 @@ import numpy as np
 import numpy.typing as npt
 
 from torchrec_mtrains.profiler.types import (
+    PolicyCurves,
     ProfileSource,
+    ReplacementPolicy,
     TableInfo,
     TableProfile,
     uniform_profile,
@@ -56,6 +58,8 @@ class TableAccess:
         unique_fn: distinct ids per step for a step of ``samples`` samples.
         hit_fn: LRU hit rate among distinct ids of a cache of ``rows`` rows (whole-table
             equivalent) for steps of ``samples`` samples.
+        policy_curves: a measured profile's MIN, MIN-seeing-ahead and LFU curves, for the
+            plan's report only (caches are sized by ``hit_fn``); ``None`` without them.
     """
 
     name: str
@@ -64,6 +68,7 @@ class TableAccess:
     source: str
     unique_fn: Callable[[float], float]
     hit_fn: Callable[[float, float], float]
+    policy_curves: PolicyCurves | None = None
 
     @property
     def measured(self) -> bool:
@@ -81,6 +86,14 @@ class TableAccess:
         if cache_rows <= 0:
             return 0.0
         return min(1.0, max(0.0, self.hit_fn(cache_rows, samples)))
+
+    def policy_hit_rate(self, policy: ReplacementPolicy | str, cache_rows: float) -> float | None:
+        """Hit rate of ``policy`` (``lfu``, ``min``, ``min_seen_ahead``) with ``cache_rows``
+        rows (whole-table equivalent) on the profiled trace; ``None`` without the profile's
+        policy curves or below the smallest cache that runs it."""
+        if self.policy_curves is None:
+            return None
+        return self.policy_curves.hit_rate(policy, cache_rows)
 
 
 def from_profile(profile: TableProfile) -> TableAccess:
@@ -101,6 +114,7 @@ def from_profile(profile: TableProfile) -> TableAccess:
         source=source,
         unique_fn=lambda samples: samples * per_sample,
         hit_fn=lambda rows, samples: profile.hit_rate(rows),
+        policy_curves=profile.policy_curves,
     )
 
 

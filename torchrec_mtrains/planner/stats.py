@@ -1,6 +1,12 @@
 """The plan printout: one line per table (where it lives, its cache and expected hit rate, its
 ranks and bytes per tier), one per rank (predicted step time, bytes against capacity), and the
-plan's predicted step time and throughput."""
+plan's predicted step time and throughput.
+
+Where a measured profile holds policy curves, each cached table's line also shows the hit rate
+of Belady's optimal replacement (MIN) at the planned cache size on the profiled trace, and that
+of the cache's own policy when it is not LRU (the planner's estimate is LRU's): how far the
+cache is from the best any policy could do at that size. Reported only: the plan is the same
+with or without them."""
 
 from __future__ import annotations
 
@@ -8,10 +14,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torchrec.distributed.types import ShardingType
+
+from torchrec_mtrains.cache.policies import DEFAULT_POLICY
 from torchrec_mtrains.planner.enumerators import kernel_for
 from torchrec_mtrains.planner.partitioners import rank_critical, rank_step_times
 from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
+from torchrec_mtrains.profiler.types import ReplacementPolicy
 from torchrec_mtrains.types import Tier
 
 __all__ = ["PlanSummary", "RankLine", "TableLine", "summarize"]
@@ -21,7 +31,11 @@ _KERNEL_NAMES = {"customized_kernel": "tiered"}
 
 @dataclass(frozen=True)
 class TableLine:
-    """One table of the plan."""
+    """One table of the plan.
+
+    ``optimal_hit_rate`` is MIN's hit rate at the planned cache size on the profiled trace,
+    ``policy_hit_rate`` the cache's own policy's there when it is not LRU; ``None`` without a
+    profile's policy curves (or for a table without a cache)."""
 
     table: str
     rows: int
@@ -35,6 +49,8 @@ class TableLine:
     bytes: Mapping[Tier, int]
     source: str
     step_ms: float
+    optimal_hit_rate: float | None = None
+    policy_hit_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,7 @@ class PlanSummary:
         capacity: bytes per rank of each tier.
         step_time_s: predicted step time (slowest rank).
         notes: statements about the inputs (e.g. that access was assumed uniform).
+        cache_policy: the tiered caches' eviction policy.
     """
 
     host: str
@@ -69,6 +86,7 @@ class PlanSummary:
     capacity: Mapping[Tier, int]
     step_time_s: float
     notes: tuple[str, ...]
+    cache_policy: str = DEFAULT_POLICY
 
     @property
     def hosts(self) -> int:
@@ -89,9 +107,18 @@ class PlanSummary:
     def format(self, max_ranks: int = 16, max_tables: int = 64) -> str:
         tiers = [t for t in self.capacity if any(line.bytes.get(t) for line in self.tables)]
         cols = "".join(f"{t.value:>11}" for t in tiers)
+        profiled = [
+            (label, attr)
+            for label, attr in (
+                (self.cache_policy.upper(), "policy_hit_rate"),
+                ("MIN", "optimal_hit_rate"),
+            )
+            if any(getattr(line, attr) is not None for line in self.tables)
+        ]
         header = (
             f"{'table':<16}{'rows':>14}{'dim':>5}  {'tier':<10}{'kernel':<18}{'cache rows':>12}"
-            f"{'hit rate':>9}  {'ranks':<12}{cols}  source"
+            f"{'hit rate':>9}{''.join(f'{label:>7}' for label, _ in profiled)}  {'ranks':<12}"
+            f"{cols}  source"
         )
         out = [
             f"plan for {self.world_size} rank(s) on {self.hosts} {self.host} host(s) "
@@ -105,9 +132,10 @@ class PlanSummary:
             cache = "-" if line.hit_rate is None else str(line.cache_rows)
             ranks = _ranks(line.ranks)
             sizes = "".join(f"{format_size(line.bytes.get(t, 0)):>11}" for t in tiers)
+            rates = "".join(f"{_rate(getattr(line, attr)):>7}" for _, attr in profiled)
             out.append(
                 f"{line.table:<16}{line.rows:>14}{line.dim:>5}  {line.tier.value:<10}"
-                f"{line.kernel:<18}{cache:>12}{hit:>9}  {ranks:<12}{sizes}  {line.source}"
+                f"{line.kernel:<18}{cache:>12}{hit:>9}{rates}  {ranks:<12}{sizes}  {line.source}"
             )
         if len(self.tables) > max_tables:
             out.append(f"({len(self.tables) - max_tables} more tables not shown)")
@@ -138,6 +166,10 @@ class PlanSummary:
         return self.format()
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _natural(name: str) -> tuple[str | int, ...]:
     """Sort key putting ``t_cat_2`` before ``t_cat_10``."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
@@ -157,6 +189,7 @@ def summarize(
     """Builds the printout of a partitioned plan."""
     on_gpu = context.host.gpu is not None
     overlap = context.config.overlap_tier_io
+    policy = context.config.cache_policy
     tables = []
     for option in sorted(plan, key=lambda o: _natural(o.name)):
         cached = option.placement.cached
@@ -178,6 +211,12 @@ def summarize(
                 bytes=option.total_demand(),
                 source=option.access.source,
                 step_ms=option.critical_time(overlap) * 1e3,
+                optimal_hit_rate=_profiled_rate(option, ReplacementPolicy.MIN, unique)
+                if cached
+                else None,
+                policy_hit_rate=_profiled_rate(option, policy, unique)
+                if cached and policy != ReplacementPolicy.LRU.value
+                else None,
             )
         )
     times = rank_step_times(list(plan), context)
@@ -206,7 +245,46 @@ def summarize(
         ranks=ranks,
         capacity={t: context.capacity(t) for t in context.tiers()},
         step_time_s=max(r.step_ms for r in ranks) / 1e3,
-        notes=tuple(notes) + _buffer_note(context),
+        notes=tuple(notes) + _buffer_note(context) + _policy_note(plan, policy),
+        cache_policy=policy,
+    )
+
+
+def _profiled_rate(
+    option: TieredShardingOption, policy: str, weights: Sequence[float]
+) -> float | None:
+    """The profiled hit rate of ``policy`` at the option's planned caches, its shards weighted
+    as for the plan's hit rate; ``None`` where the profile has no such curve or a cache is
+    below the smallest that runs the profiled trace."""
+    if policy not in {p.value for p in ReplacementPolicy}:
+        return None  # a policy of its own: no profiled curve
+    rates = []
+    for index, rows in enumerate(option.cache_rows):
+        # A row-wise shard's cache acts as a proportionally larger one of the whole table, as
+        # the shard estimator costs it.
+        shard_rows = int(option.shards[index].size[0])
+        row_wise = option.sharding_type == ShardingType.ROW_WISE.value
+        fraction = max(shard_rows / option.table_rows, 1e-12) if row_wise else 1.0
+        rate = option.access.policy_hit_rate(policy, rows / fraction)
+        if rate is None:
+            return None
+        rates.append(rate)
+    weight = sum(weights) or 1.0
+    return sum(r * w for r, w in zip(rates, weights)) / weight
+
+
+def _policy_note(plan: Sequence[TieredShardingOption], policy: str) -> tuple[str, ...]:
+    lookaheads = sorted(
+        {o.access.policy_curves.lookahead for o in plan if o.access.policy_curves is not None}
+    )
+    if not lookaheads:
+        return ()
+    which = "MIN" if policy == ReplacementPolicy.LRU.value else f"{policy.upper()} and MIN"
+    return (
+        f"{which}: hit rates at the planned cache size on the profiled trace, look-ahead "
+        f"{'/'.join(map(str, lookaheads))} (the rows of the batches in flight held); MIN is "
+        "Belady's optimal replacement, the bound for any policy; 'hit rate' is the planner's "
+        "estimate, LRU's",
     )
 
 

@@ -3,7 +3,8 @@
 A model can have dozens of tables, most of them small enough to sit in the fastest tier whatever
 their access pattern. The plot draws the few that decide a tiered plan, each in its own colour,
 and folds the rest into one access-weighted curve with their range shaded, so the picture stays
-readable for 1 table and for 26.
+readable for 1 table and for 26. Where the profile has policy curves, a middle panel sets each
+drawn table's LRU, LFU and MIN (Belady's optimal) curves side by side.
 
 Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch), so it is safe on
 headless machines and inside processes that use another backend.
@@ -27,7 +28,13 @@ from matplotlib.figure import Figure
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.lines import Line2D
 
-from torchrec_mtrains.profiler.types import AccessProfile, ProfileSource, TableProfile
+from torchrec_mtrains.profiler.types import (
+    AccessProfile,
+    PolicyCurves,
+    ProfileSource,
+    ReplacementPolicy,
+    TableProfile,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,12 @@ DEFAULT_MAX_TABLES = 8
 """Tables drawn one by one; more lines than this cannot be told apart by colour."""
 _SAME_CURVE_TOLERANCE = 0.01
 """Curves closer than this everywhere look like one line, so they get one legend entry."""
+_POLICY_STYLES: tuple[tuple[ReplacementPolicy, Literal["-", "-.", ":"], str], ...] = (
+    (ReplacementPolicy.LRU, "-", "LRU"),
+    (ReplacementPolicy.LFU, "-.", "LFU"),
+    (ReplacementPolicy.MIN, ":", "MIN (Belady's optimal)"),
+)
+"""The policy panel's line style of each policy, and its name in the panel's key."""
 
 
 def _footprint(table: TableProfile) -> int:
@@ -203,12 +216,31 @@ def _draw_rest(
     return band, line
 
 
+def _draw_policies(ax: Axes, table: TableProfile, curves: PolicyCurves, color: str) -> None:
+    """``table``'s LRU, LFU and MIN curves against the cache size as a fraction of its rows,
+    from the smallest cache that holds a look-ahead window on (below it no policy runs)."""
+    start = curves.min_cache_rows
+    for policy, style, _ in _POLICY_STYLES:
+        if policy is ReplacementPolicy.LRU:
+            points = [(x, y) for x, y in table.hit_rate_curve if x > start]
+            points.insert(0, (start, table.hit_rate(start)))
+        else:
+            points = list(curves.curve(policy))
+        if start > 0 and points:
+            xs = [x / table.num_rows for x, _ in points]
+            line = ax.plot(xs, [y for _, y in points], style, color=color, linewidth=1.4)[0]
+            line.set_gid(policy.value)
+
+
 def profile_figure(profile: AccessProfile, *, max_tables: int = DEFAULT_MAX_TABLES) -> Figure:
-    """The figure :func:`plot_profile` writes: two panels and one legend below them.
+    """The figure :func:`plot_profile` writes: two or three panels and one legend below them.
 
     Left, the LRU hit rate against the cache size as a fraction of the table's rows; right,
     the share of accesses that go to the hottest fraction of the rows. Both x axes are
-    logarithmic, so tables of very different sizes share a panel. The tables of
+    logarithmic, so tables of very different sizes share a panel. Between them, when the
+    drawn tables have policy curves, the same hit rate for LRU, LFU and MIN, each table in
+    its colour and each policy in its line style, from the smallest cache that holds the
+    rows of the look-ahead pipeline's batches in flight. The tables of
     :func:`tables_to_show` get a line each (dashed where the profile is an assumption;
     tables whose curves coincide share one line and one legend entry). The others are one
     dash-dotted grey line, their mean weighted by lookups (hit rate) or ids (skew) per
@@ -223,14 +255,19 @@ def profile_figure(profile: AccessProfile, *, max_tables: int = DEFAULT_MAX_TABL
         A figure on an Agg canvas.
     """
     shown, rest = tables_to_show(profile, max_tables)
-    fig = Figure(figsize=(12, 6), layout="constrained")
+    groups = _groups(shown)
+    policies = [g[0].policy_curves for g in groups if g[0].policy_curves is not None]
+    fig = Figure(figsize=(18 if policies else 12, 6), layout="constrained")
     FigureCanvasAgg(fig)
-    hit_ax, skew_ax = fig.subplots(1, 2)
+    axes = list(fig.subplots(1, 3 if policies else 2))
+    hit_ax, skew_ax = axes[0], axes[-1]
     # Artists, and (band, line) pairs that HandlerTuple draws as one entry.
     handles: list[Any] = []
     labels: list[str] = []
-    for group, color in zip(_groups(shown), _COLORS):
+    for group, color in zip(groups, _COLORS):
         table = group[0]
+        if table.policy_curves is not None:
+            _draw_policies(axes[1], table, table.policy_curves, color)
         style: Literal["--", "-"] = "--" if table.source is ProfileSource.ASSUMED_UNIFORM else "-"
         curve = [(rows / table.num_rows, rate) for rows, rate in table.hit_rate_curve]
         for ax, points, at in (
@@ -268,7 +305,22 @@ def profile_figure(profile: AccessProfile, *, max_tables: int = DEFAULT_MAX_TABL
         ylim=(0.0, 1.02),
         title="access skew",
     )
-    for ax in (hit_ax, skew_ax):
+    if policies:
+        lookaheads = "/".join(str(k) for k in sorted({c.lookahead for c in policies}))
+        axes[1].set(
+            xscale="log",
+            xlabel="cache size (fraction of the table's rows)",
+            ylabel="hit rate",
+            ylim=(0.0, 1.02),
+            title=f"hit rate by replacement policy (look-ahead {lookaheads})",
+        )
+        axes[1].legend(
+            [Line2D([], [], color="black", linestyle=style) for _, style, _ in _POLICY_STYLES],
+            [name for _, _, name in _POLICY_STYLES],
+            loc="lower right",
+            fontsize="small",
+        )
+    for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
     if handles:
         title = (

@@ -27,8 +27,10 @@ __all__ = [
     "PROFILE_VERSION",
     "AccessProfile",
     "HitRateMethod",
+    "PolicyCurves",
     "ProfileFormatError",
     "ProfileSource",
+    "ReplacementPolicy",
     "TableInfo",
     "TableProfile",
     "uniform_profile",
@@ -51,6 +53,18 @@ class HitRateMethod(str, enum.Enum):
     EXACT = "exact"
     SHARDS = "shards"
     UNIFORM = "uniform"
+
+
+class ReplacementPolicy(str, enum.Enum):
+    """A cache replacement policy whose hit rates a profile holds (see
+    ``profiler.replacement``): the row cache's own ``lru`` and ``lfu``, Belady's optimal
+    ``min`` (it knows the whole future: the bound), and ``min_seen_ahead``, MIN that sees only
+    the next batches' ids (a policy a pipeline reading that far ahead could run)."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    MIN = "min"
+    MIN_SEEN_AHEAD = "min_seen_ahead"
 
 
 class ProfileFormatError(ValueError):
@@ -96,6 +110,100 @@ def _points(raw: Any, what: str, x_type: type[int] | type[float]) -> tuple[tuple
     return pts
 
 
+Curve = tuple[tuple[int, float], ...]
+
+
+def _policy_points(raw: Any, what: str, smallest: int, monotone: bool) -> Curve:
+    """A policy curve: ints from ``smallest`` up, strictly increasing, rates in [0, 1]
+    (non-decreasing when ``monotone``); empty for a trace without lookups."""
+    pts = tuple((int(x), float(y)) for x, y in raw)
+    xs = np.array([p[0] for p in pts], dtype=np.float64)
+    ys = np.array([p[1] for p in pts], dtype=np.float64)
+    if pts and (xs[0] < smallest or np.any(np.diff(xs) <= 0)):
+        raise ValueError(f"{what} x values must increase strictly from {smallest} (min_cache_rows)")
+    if pts and (ys.min() < 0.0 or ys.max() > 1.0 or (monotone and np.any(np.diff(ys) < 0))):
+        order = "non-decreasing and " if monotone else ""
+        raise ValueError(f"{what} y values must be {order}within [0, 1]")
+    return pts
+
+
+@dataclass(frozen=True)
+class PolicyCurves:
+    """Hit-rate curves of the other replacement policies on a table's profiled trace, beside
+    its LRU curve, under the look-ahead pipeline's constraint: the rows of the ``lookahead + 1``
+    batches in flight stay resident, so no cache smaller than ``min_cache_rows`` can run the
+    trace and every curve starts there (see ``profiler.replacement``).
+
+    Args:
+        lookahead: batches in flight while one is planned (``pipeline.lookahead``).
+        min_cache_rows: the largest window's distinct rows: the smallest cache that runs.
+        lfu_decay_interval: batches between two halvings of LFU's counts.
+        optimal: sorted ``(cache_rows, hit_rate)`` points of Belady's MIN: the bound.
+        seen_ahead: of MIN seeing only the next ``lookahead`` batches.
+        lfu: of the row cache's LFU.
+
+    Each curve's last point is a cache holding every row of the trace, where every policy
+    reaches the hit rate of the cold misses alone.
+    """
+
+    lookahead: int
+    min_cache_rows: int
+    lfu_decay_interval: int
+    optimal: Curve
+    seen_ahead: Curve
+    lfu: Curve
+
+    def __post_init__(self) -> None:
+        for name in ("lookahead", "min_cache_rows", "lfu_decay_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PolicyCurves.{name} must be an int >= 0, got {value!r}")
+        set_ = object.__setattr__
+        for name, monotone in (("optimal", True), ("seen_ahead", False), ("lfu", False)):
+            points = _policy_points(getattr(self, name), name, self.min_cache_rows, monotone)
+            set_(self, name, points)
+
+    def curve(self, policy: ReplacementPolicy | str) -> Curve:
+        """The points of ``policy`` (``lru`` is the profile's own curve, not here)."""
+        policy = ReplacementPolicy(policy)
+        if policy is ReplacementPolicy.LRU:
+            raise ValueError("the LRU curve is the profile's hit_rate_curve")
+        return {
+            ReplacementPolicy.MIN: self.optimal,
+            ReplacementPolicy.MIN_SEEN_AHEAD: self.seen_ahead,
+            ReplacementPolicy.LFU: self.lfu,
+        }[policy]
+
+    def hit_rate(self, policy: ReplacementPolicy | str, cache_rows: float) -> float | None:
+        """``policy``'s hit rate with ``cache_rows`` rows, linearly interpolated between points;
+        ``None`` below ``min_cache_rows`` (or without points), where the trace cannot run."""
+        points = self.curve(policy)
+        if not points or cache_rows < points[0][0]:
+            return None
+        return float(np.interp(float(cache_rows), [p[0] for p in points], [p[1] for p in points]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lookahead": self.lookahead,
+            "min_cache_rows": self.min_cache_rows,
+            "lfu_decay_interval": self.lfu_decay_interval,
+            "min": [list(p) for p in self.optimal],
+            "min_seen_ahead": [list(p) for p in self.seen_ahead],
+            "lfu": [list(p) for p in self.lfu],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PolicyCurves:
+        return cls(
+            lookahead=int(data["lookahead"]),
+            min_cache_rows=int(data["min_cache_rows"]),
+            lfu_decay_interval=int(data["lfu_decay_interval"]),
+            optimal=tuple(tuple(p) for p in data["min"]),
+            seen_ahead=tuple(tuple(p) for p in data["min_seen_ahead"]),
+            lfu=tuple(tuple(p) for p in data["lfu"]),
+        )
+
+
 @dataclass(frozen=True)
 class TableProfile:
     """Access statistics of one table, measured or assumed.
@@ -123,6 +231,8 @@ class TableProfile:
         hit_rate_curve: sorted ``(cache_rows, hit_rate)`` points of an LRU cache fed with each
             batch's unique ids; cold misses count as misses.
         hit_rate_method: how the curve was computed.
+        policy_curves: the MIN, MIN-seeing-ahead and LFU curves on the same trace (exact
+            profiles only; ``None`` otherwise and in profiles written before they existed).
 
     Example::
 
@@ -146,6 +256,7 @@ class TableProfile:
     access_skew: tuple[tuple[float, float], ...]
     hit_rate_curve: tuple[tuple[int, float], ...]
     hit_rate_method: HitRateMethod
+    policy_curves: PolicyCurves | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -196,6 +307,16 @@ class TableProfile:
         ys = [p[1] for p in self.hit_rate_curve]
         return float(np.interp(float(cache_rows), xs, ys))
 
+    def policy_hit_rate(self, policy: ReplacementPolicy | str, cache_rows: float) -> float | None:
+        """The hit rate of ``policy`` with ``cache_rows`` rows: LRU's from :meth:`hit_rate`,
+        the others' from :attr:`policy_curves`; ``None`` where the profile has no such curve
+        or the cache is below its ``min_cache_rows``."""
+        if ReplacementPolicy(policy) is ReplacementPolicy.LRU:
+            return self.hit_rate(cache_rows)
+        if self.policy_curves is None:
+            return None
+        return self.policy_curves.hit_rate(policy, cache_rows)
+
     def miss_rows_per_sample(self, cache_rows: float) -> float:
         """Rows the cache must fetch from the backing tier per trained sample."""
         return self.unique_per_sample * (1.0 - self.hit_rate(cache_rows))
@@ -227,11 +348,14 @@ class TableProfile:
             "access_skew": [list(p) for p in self.access_skew],
             "hit_rate_curve": [list(p) for p in self.hit_rate_curve],
             "hit_rate_method": self.hit_rate_method.value,
+            "policy_curves": None if self.policy_curves is None else self.policy_curves.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TableProfile:
-        """Inverse of :meth:`to_dict`; raises ``KeyError`` / ``ValueError`` on bad input."""
+        """Inverse of :meth:`to_dict`; raises ``KeyError`` / ``ValueError`` on bad input. A
+        profile written before policy curves existed has none."""
+        curves = data.get("policy_curves")
         return cls(
             name=str(data["name"]),
             num_rows=int(data["num_rows"]),
@@ -249,6 +373,7 @@ class TableProfile:
             access_skew=tuple(tuple(p) for p in data["access_skew"]),
             hit_rate_curve=tuple(tuple(p) for p in data["hit_rate_curve"]),
             hit_rate_method=HitRateMethod(data["hit_rate_method"]),
+            policy_curves=None if curves is None else PolicyCurves.from_dict(curves),
         )
 
 
