@@ -87,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampling_rate=args.sampling_rate,
         seed=args.seed,
         feature_to_table=feature_to_table,
-        config=ProfilerConfig(hit_rate_method=HitRateMethod(args.method)),
+        config=ProfilerConfig(
+            hit_rate_method=HitRateMethod(args.method), lookahead=app.pipeline.lookahead
+        ),
     )
     json_path, png_path = output_paths(args.out)
     json_path.parent.mkdir(parents=True, exist_ok=True)
