@@ -298,14 +298,16 @@ def test_checkpoint_memory_is_bounded_by_chunks(tmp_path: Path) -> None:
 def test_dram_tables_beside_tiered_ones_checkpoint_in_chunks(tmp_path: Path) -> None:
     # TorchRec's own (DRAM) table in a tiered module: its weight views the kernel's flat buffer,
     # which a checkpoint writer would clone whole; in row chunks it copies a chunk at a time.
-    rows, dim, chunk = 200_000, 64, 8_192
+    # (A save's peak varies from run to run, 2.5-7 chunks measured alone, more in a process
+    # that ran other tests: the table is large enough for a bound of 10 to sit far below it.)
+    rows, dim, chunk = 400_000, 64, 8_192
     tables = [
         EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=300, feature_names=["f0"]),
         EmbeddingBagConfig(
             name="small", embedding_dim=dim, num_embeddings=rows, feature_names=["f1"]
         ),
     ]
-    table_bytes = rows * dim * 4  # 51 MB
+    table_bytes = rows * dim * 4  # 102 MB
     chunk_bytes = chunk * dim * 4
     model = build(tmp_path / "a", "block_scm", tables=tables, chunk_rows=chunk)
     weight = model.state_dict()["embedding_bags.small.weight"]
@@ -314,7 +316,7 @@ def test_dram_tables_beside_tiered_ones_checkpoint_in_chunks(tmp_path: Path) -> 
     train(model, 3, seed=1)
     other = build(tmp_path / "b", "block_scm", tables=tables, chunk_rows=chunk)
     save_mem, load_mem = _dcp_round_trip(model, other, tmp_path / "ckpt")
-    bound = 6 * chunk_bytes
+    bound = 10 * chunk_bytes
     assert save_mem.extra < bound < table_bytes / 4, (save_mem.extra, bound, table_bytes)
     assert load_mem.extra < bound, (load_mem.extra, bound, table_bytes)
     assert_same(full_weights(model), full_weights(other))
