@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from torchrec_mtrains._compat.torch_internals import Shard, ShardedTensor
 from torchrec_mtrains.distributed.checkpoint_load import (
     apply_changed_rows,
     load_changed_state,
