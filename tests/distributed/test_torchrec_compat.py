@@ -1,8 +1,8 @@
 """The seam to TorchRec's and torch's internals (``torchrec_mtrains._compat``), checked against
 the installed packages: every private name it records exists where the record says, with the
 parameters it expects on this release; the library's subclasses of TorchRec's classes define
-only the private names recorded as overridden hooks; and the seam's functions reach a live
-sharded model, pipeline and planner.
+only the private names recorded as overridden hooks; no private name is used outside the seam;
+and the seam's functions reach a live sharded model, pipeline and planner.
 
 Run it first after an upgrade: a TorchRec release that renamed or reshaped one of the names
 fails here, naming it. CONTRIBUTING runs it on TorchRec 1.6.1 too (``PYTHONPATH`` at its
@@ -206,8 +206,54 @@ def _defined(tree: ast.AST) -> set[str]:
     return {n for n in names if _private(n)}
 
 
+@cache
+def _library_defined() -> frozenset[str]:
+    names: set[str] = set()
+    for path in _library_files():
+        names |= _defined(ast.parse(path.read_text()))
+    return frozenset(names)
+
+
 def _foreign_module(module: str) -> bool:
     return module.split(".")[0] in FOREIGN
+
+
+def _private_uses(path: Path) -> Iterator[str]:
+    """Private names of other packages that ``path`` uses: imported from them (or from their
+    private modules), or read off objects without the library defining them."""
+    own = _library_defined()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and _foreign_module(node.module):
+            if any(_private(part) for part in node.module.split(".")):
+                yield f"{node.lineno}: from {node.module} import ..."
+            for alias in node.names:
+                if _private(alias.name):
+                    yield f"{node.lineno}: {alias.name} from {node.module}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _foreign_module(alias.name) and any(
+                    _private(part) for part in alias.name.split(".")
+                ):
+                    yield f"{node.lineno}: import {alias.name}"
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+            yield f"{node.lineno}: .{node.attr}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = _string_arg(node, 1)
+            reflective = node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            if reflective and name and _private(name) and name not in own:
+                yield f"{node.lineno}: {node.func.id}(..., {name!r})"
+
+
+def test_no_private_name_is_used_outside_the_seam() -> None:
+    found = [
+        f"{path.relative_to(LIBRARY.parent)}:{use}"
+        for path in _library_files()
+        for use in _private_uses(path)
+    ]
+    assert not found, (
+        "private names of TorchRec / fbgemm / torch used outside torchrec_mtrains/_compat "
+        "(reach them through a function there, recorded with declare()):\n" + "\n".join(found)
+    )
 
 
 def _classes_on_torchrec() -> list[type]:
