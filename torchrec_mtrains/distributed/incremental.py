@@ -224,7 +224,7 @@ def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
         layout = [[path, *table.tensors[path]] for path in table.tensors]
         out[entry_key(ROWS_PREFIX, weights, where, "layout")] = json.dumps(layout)
         reads = _BatchReads()
-        for k, batch in enumerate(store.scan_batches()):  # type: ignore[attr-defined]
+        for k, batch in enumerate(store.scan_batches()):  # type: ignore[attr-defined]  # a copy region: a log store
             ids_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::ids")
             rows_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::rows")
             out[ids_key] = _stand_in((batch.rows,), torch.int64)
