@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import pkgutil
 import re
 import textwrap
 from collections.abc import Iterator
@@ -40,10 +41,10 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 import torchrec_mtrains
+import torchrec_mtrains._compat
 from torchrec_mtrains._compat import embedding as compat
 from torchrec_mtrains._compat import pipeline as compat_pipeline
 from torchrec_mtrains._compat import planner as compat_planner
-from torchrec_mtrains._compat import torch_internals
 from torchrec_mtrains._compat.registry import (
     REGISTRY,
     PrivateName,
@@ -66,8 +67,9 @@ SEAM = LIBRARY / "_compat"
 FOREIGN = ("torch", "torchrec", "fbgemm_gpu")
 """Top-level packages whose private names may be used only in the seam."""
 
-# Imported for their records: every seam module declares its own.
-assert torch_internals and compat_pipeline and compat_planner
+# Every seam module, for its records (each declares its own when imported).
+for _seam in pkgutil.iter_modules(torchrec_mtrains._compat.__path__):
+    importlib.import_module(f"torchrec_mtrains._compat.{_seam.name}")
 
 
 def _installed(package: str) -> str:

@@ -19,6 +19,7 @@ signature TorchRec calls it with.
   batched kernels and sharders.
 * :mod:`.pipeline`: the ``TrainPipelineSparseDist`` internals the look-ahead pipeline drives.
 * :mod:`.planner`: the ``EmbeddingShardingPlanner`` internals the tiered planner reads.
+* :mod:`.optim`: the optimizer a TorchRec ``OptimizerWrapper`` wraps (checkpoints walk to it).
 
 Importing this package imports nothing of TorchRec; each module imports what it reaches, so
 the layers below ``distributed`` (``initializers``) import only :mod:`.torch_internals`.
