@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+from torchrec_mtrains._compat.torch_internals import ShardedTensor
 
 BLOCK_ROWS = 4096  # rows drawn from one generator: the granularity of the seeding
 

@@ -41,7 +41,7 @@ class TierClock:
         for group in groups:
             for shard in group.shards:
                 store = shard.store
-                store.write_rows = self._timed(store.write_rows, "write", len)  # type: ignore[method-assign]
+                store.write_rows = self._timed(store.write_rows, "write", len)  # type: ignore[method-assign]  # instruments the store in place
 
     def _timed(self, fn: Any, key: str, rows_of: Callable[[Any], int]) -> Any:
         def wrapped(ids: Any, *args: Any, **kwargs: Any) -> Any:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, OptimizerWrapper
 
+from torchrec_mtrains._compat.optim import wrapped_optimizer
 from torchrec_mtrains.checkpoint.chain import CheckpointDirectory, done_record, on_rank0
 from torchrec_mtrains.checkpoint.storage import (
     disk_full,
@@ -329,7 +330,7 @@ def _leaves(optimizer: KeyedOptimizer) -> Iterator[KeyedOptimizer]:
         for _, child in optimizer.optimizers:
             yield from _leaves(child)
     elif isinstance(optimizer, OptimizerWrapper):
-        yield from _leaves(optimizer._optimizer)
+        yield from _leaves(wrapped_optimizer(optimizer))
     else:
         yield optimizer
 

@@ -15,14 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from torchrec_mtrains._compat.torch_internals import Shard, ShardedTensor, flatten_state_dict
 from torchrec_mtrains.distributed.tier_state import (
     CHANGED_PREFIX,
     ROWS_PREFIX,
@@ -85,7 +83,7 @@ def load_tier_checkpoint(
             group.purge()  # no cached row may outlive the rows written under it
     metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     saved = _saved_rows(metadata)
-    flat, _ = flatten_state_dict(state)
+    flat = flatten_state_dict(state)
     if not incremental:
         covered = {item.path.replace("/", ".") for items in saved.values() for item in items}
         covered |= {path.replace("/", ".") for path in _layout_paths(checkpoint, metadata)}

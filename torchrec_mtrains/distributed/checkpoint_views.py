@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchrec_mtrains._compat.torch_internals import tensor_version
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.tiers import OpenMode
 from torchrec_mtrains.tiers.byte_scm import ByteSCMStore
@@ -114,7 +115,7 @@ class TierViews:
         bases = self._bases.setdefault(index, {})
         if part not in bases:
             bases[part] = torch.from_numpy(self.tier_rows(index).view(np.uint8))
-            self._seen.setdefault(index, {})[part] = bases[part]._version
+            self._seen.setdefault(index, {})[part] = tensor_version(bases[part])
         return bases[part]
 
     def is_copy(self, index: int) -> bool:
@@ -198,13 +199,15 @@ class TierViews:
         through their views since :meth:`mark_seen`."""
         seen = self._seen.get(index, {})
         return [
-            part for part, base in self._bases.get(index, {}).items() if base._version != seen[part]
+            part
+            for part, base in self._bases.get(index, {}).items()
+            if tensor_version(base) != seen[part]
         ]
 
     def mark_seen(self, index: int) -> None:
         """Says what was written through shard ``index``'s views so far is taken in."""
         self._seen[index] = {
-            part: base._version for part, base in self._bases.get(index, {}).items()
+            part: tensor_version(base) for part, base in self._bases.get(index, {}).items()
         }
 
     def mark_written(self, index: int) -> None:

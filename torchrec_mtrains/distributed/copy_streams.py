@@ -24,7 +24,13 @@ the DRAM tier (or TorchRec's UVM caching) serves it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# torch leaves these constructors unannotated: typed here by what they take and return.
+_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+_new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 
 
 class RowCopyStreams:
@@ -37,7 +43,7 @@ class RowCopyStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+            _new_stream(device) if device.type == "cuda" else None
         )
 
     @property
@@ -55,7 +61,7 @@ class RowCopyStreams:
         """An event marking everything enqueued so far on this thread's current stream."""
         if self._stream is None:
             return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = _new_event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -91,7 +97,7 @@ class RowCopyStreams:
         stream, and the event that marks it done."""
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = _new_event()
         event.record(torch.cuda.current_stream(tensor.device))
         return host, event
 

@@ -30,6 +30,13 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 
+from torchrec_mtrains._compat.embedding import (
+    groups_per_rank,
+    keeps_groups_per_rank,
+    set_groups,
+    sharded_tables_per_rank,
+)
+
 TIERED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
 
 
@@ -57,14 +64,15 @@ def tables_in_sharding_order(
     """Each rank's table shards in the order the sharding created them, before grouping: table
     by table in module order (``table_names``), a table's shards in column, then row order.
 
-    Table-wise and column-wise shardings keep that list (``_sharded_tables_per_rank``); for the
-    others it is rebuilt from the groups, which hold the same shard objects."""
-    kept = getattr(sharding, "_sharded_tables_per_rank", None)
+    Table-wise and column-wise shardings keep that list (see
+    :func:`~torchrec_mtrains._compat.embedding.sharded_tables_per_rank`); for the others it is
+    rebuilt from the groups, which hold the same shard objects."""
+    kept = sharded_tables_per_rank(sharding)
     if kept is not None:
-        return [list(tables) for tables in kept]
+        return kept
     position = {name: i for i, name in enumerate(table_names)}
     per_rank: list[list[ShardedEmbeddingTable]] = []
-    for groups in sharding._grouped_embedding_configs_per_rank:
+    for groups in groups_per_rank(sharding):
         tables = [t for group in groups for t in group.embedding_tables]
         missing = sorted({t.name for t in tables if t.name not in position})
         if missing:
@@ -116,16 +124,10 @@ def regroup_as_fused(sharding: Any, table_names: Sequence[str]) -> None:
         TypeError: for a sharding that does not keep its groups per rank (the tiered sharders
             do not offer such sharding types for tiered tables).
     """
-    if not hasattr(sharding, "_grouped_embedding_configs_per_rank") or not hasattr(
-        sharding, "_grouped_embedding_configs"
-    ):
+    if not keeps_groups_per_rank(sharding):
         raise TypeError(
             f"{type(sharding).__name__} keeps no per-rank table groups; tiered tables need a "
             "table-, column- or row-wise sharding"
         )
-    per_rank = group_as_fused(tables_in_sharding_order(sharding, table_names))
-    sharding._grouped_embedding_configs_per_rank = per_rank
-    sharding._grouped_embedding_configs = per_rank[sharding._rank]
-    if getattr(sharding, "_permute_embeddings", False):
-        # Column-wise: the order that reassembles a table's column shards follows the groups.
-        sharding._init_combined_embeddings()
+    # Column-wise: the order that reassembles a table's column shards follows the groups.
+    set_groups(sharding, group_as_fused(tables_in_sharding_order(sharding, table_names)))

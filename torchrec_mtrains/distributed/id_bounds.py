@@ -21,7 +21,7 @@ import logging
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -32,7 +32,14 @@ from torchrec_mtrains.distributed.tiered_tables import TableIdError
 
 __all__ = ["HostBoundsCheck", "IdBoundsCheck", "OutOfRangeIdError"]
 
-B = TypeVar("B")
+
+class _Movable(Protocol):
+    """A batch that moves to a device as TorchRec's ``Pipelineable`` batches do."""
+
+    def to(self, device: torch.device, non_blocking: bool = ...) -> Any: ...
+
+
+B = TypeVar("B", bound=_Movable)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -144,6 +151,8 @@ class IdBoundsCheck:
             return features
         keys = features.keys()
         rows, names = self._row_bounds(keys, values.device)
+        # (table, rows) of each bad key (every bad key has a table: see _bad_keys)
+        tables = {k: name for k in bad_keys if (name := names[k]) is not None}
         lengths = features.length_per_key()
         offsets = features.offset_per_key()
         masks: dict[int, torch.Tensor] = {}
@@ -152,9 +161,9 @@ class IdBoundsCheck:
             masks[k] = (ids < 0) | (ids >= rows[k])
         counts: Counter[str] = Counter()
         for k, mask in masks.items():
-            counts[names[k][0]] += int(mask.sum())  # type: ignore[index]
+            counts[tables[k][0]] += int(mask.sum())
         first = bad_keys[0]
-        table, num_rows = names[first]  # type: ignore[misc]
+        table, num_rows = tables[first]
         row_id = int(values[offsets[first] : offsets[first + 1]][masks[first]][0])
         feature = keys[first]
         if self.mode is BoundsCheck.ERROR:
@@ -302,7 +311,7 @@ class HostBoundsCheck:
     def to_device(self, batch: B, device: torch.device, non_blocking: bool = True) -> B:
         """``batch.to(device)``, checked here on the host first."""
         passed = self.check(batch)
-        copy: B = batch.to(device, non_blocking=non_blocking)  # type: ignore[attr-defined]
+        copy: B = batch.to(device, non_blocking=non_blocking)
         self.vouch(passed, copy)
         return copy
 

@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from torchrec_mtrains._compat.torch_internals import Shard, ShardedTensor
 from torchrec_mtrains.distributed.checkpoint_load import (
     apply_changed_rows,
     load_changed_state,
@@ -225,7 +224,7 @@ def full_state_dict(state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
         layout = [[path, *table.tensors[path]] for path in table.tensors]
         out[entry_key(ROWS_PREFIX, weights, where, "layout")] = json.dumps(layout)
         reads = _BatchReads()
-        for k, batch in enumerate(store.scan_batches()):  # type: ignore[attr-defined]
+        for k, batch in enumerate(store.scan_batches()):  # type: ignore[attr-defined]  # a copy region: a log store
             ids_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::ids")
             rows_key = entry_key(ROWS_PREFIX, weights, where, f"{k}::rows")
             out[ids_key] = _stand_in((batch.rows,), torch.int64)

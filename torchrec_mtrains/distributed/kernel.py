@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
     EmbeddingFusedOptimizer,
-    _gen_named_parameters_by_table_fused,
 )
 from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import (
@@ -45,9 +43,11 @@ from torchrec.distributed.embedding_types import (
 )
 from torchrec.distributed.types import ShardingType
 from torchrec.distributed.utils import data_type_to_sparse_type
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_mtrains._compat import embedding as compat
+from torchrec_mtrains._compat.torch_internals import ShardedTensor
 from torchrec_mtrains.distributed.grouping import is_tiered
 from torchrec_mtrains.distributed.options import TieredTableOptions, TierStorage
 from torchrec_mtrains.distributed.sharded_state import (
@@ -57,6 +57,11 @@ from torchrec_mtrains.distributed.sharded_state import (
     swap_aliases,
 )
 from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
+
+if TYPE_CHECKING:  # the TorchRec kernel the mixin below is combined with (Any to mypy)
+    from torchrec.distributed.embedding_kernel import BaseEmbedding as _KernelBase
+else:
+    _KernelBase = object
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -130,7 +135,7 @@ def _build_cache_module(
     return module, options
 
 
-def _rank(pg: dist.ProcessGroup | None) -> int:
+def _rank_of(pg: dist.ProcessGroup | None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
@@ -173,7 +178,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         super().__init__(*args, **kwargs)
         self._sync_on_read = True
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         if self._sync_on_read:
             self._tiers.sync_views()
@@ -211,12 +216,11 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         self._tiers.absorb_view_writes(loaded=True)
 
 
-class _TieredKernelMixin:
+class _TieredKernelMixin(_KernelBase):
     """What the pooled and the sequence tiered kernels share: the cache module, the tier-backed
     optimizer view, remapping, flush/purge and statistics, and the resident tables' state as
     TorchRec's FUSED kernel exposes it."""
 
-    _emb_module: SplitTableBatchedEmbeddingBagsCodegen
     _optim: _TierBackedFusedOptimizer
     tiers: TieredTableGroup
     training: bool
@@ -232,15 +236,13 @@ class _TieredKernelMixin:
         # Config index of each tiered table, in the group's order; resident ones are not in it.
         tiered = [t for t, o in enumerate(options) if o is not None]
         self._tiered_index = {t: i for i, t in enumerate(tiered)}
-        module_weights = self._emb_module.split_embedding_weights()
-        module_states = self._emb_module.get_optimizer_state() or [{} for _ in options]
+        module_weights = self.emb_module.split_embedding_weights()
+        module_states = self.emb_module.get_optimizer_state() or [{} for _ in options]
+        feature_tables = compat.kernel_feature_table_map(self)
         self.tiers = TieredTableGroup(
             tables=[config.embedding_tables[t] for t in tiered],
             # Features of resident tables (-1) keep their ids.
-            feature_table_map=[
-                self._tiered_index.get(t, -1)
-                for t in self._feature_table_map  # type: ignore[attr-defined]
-            ],
+            feature_table_map=[self._tiered_index.get(t, -1) for t in feature_tables],
             # ``.data``: loading rows into slots (possibly from the prefetch thread while another
             # batch sits between its forward and backward) must not bump the autograd version
             # of the weights that batch saved; it never touches that batch's slots.
@@ -248,11 +250,11 @@ class _TieredKernelMixin:
             states=[{k: v.data for k, v in module_states[t].items()} for t in tiered],
             options=[o for o in options if o is not None],
             storage=storage,
-            rank=_rank(pg),
+            rank=_rank_of(pg),
             resident=[
                 ResidentTable(
                     name=config.embedding_tables[t].name,
-                    features=[f for f, ft in enumerate(self._feature_table_map) if ft == t],  # type: ignore[attr-defined]
+                    features=[f for f, ft in enumerate(feature_tables) if ft == t],
                     weights=module_weights[t].data,
                     states={k: v.data for k, v in module_states[t].items()},
                     watched=[module_weights[t], *module_states[t].values()],
@@ -277,7 +279,7 @@ class _TieredKernelMixin:
             states.append(dict(zip(views.keys(), aliases)))
         self._optim = _TierBackedFusedOptimizer(
             _placed_on_host(config),
-            self._emb_module,
+            self.emb_module,
             pg,
             embedding_weights_by_table=weights,
             all_optimizer_states=states,
@@ -293,7 +295,7 @@ class _TieredKernelMixin:
     def _table_weights(self) -> list[torch.Tensor]:
         """Every table's weights, in config order: a tier view for a tiered table, fbgemm's
         own rows for a resident one."""
-        module_weights = self._emb_module.split_embedding_weights()
+        module_weights = self.emb_module.split_embedding_weights()
         return [
             self.tiers.views.weight_view(self._tiered_index[t])
             if t in self._tiered_index
@@ -322,7 +324,7 @@ class _TieredKernelMixin:
 
     def _watch_backward(self, out: torch.Tensor) -> torch.Tensor:
         if out.requires_grad:
-            out.register_hook(self.tiers.backward_started)  # type: ignore[no-untyped-call]
+            out.register_hook(self.tiers.backward_started)  # type: ignore[no-untyped-call]  # unannotated in torch
         return out
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
@@ -332,7 +334,7 @@ class _TieredKernelMixin:
 
     @property
     def emb_module(self) -> SplitTableBatchedEmbeddingBagsCodegen:
-        return self._emb_module
+        return compat.emb_module(self)
 
     @property
     def fused_optimizer(self) -> _TierBackedFusedOptimizer:
@@ -358,16 +360,15 @@ class _TieredKernelMixin:
     def named_split_embedding_weights(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        tables = self._config.embedding_tables  # type: ignore[attr-defined]
-        for table, weight in zip(tables, self._table_weights()):
+        for table, weight in zip(self.config.embedding_tables, self._table_weights()):
             yield f"{prefix}{table.name}.weight", weight
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
         return self._table_weights()
 
     def _resident_tables(self) -> list[tuple[ShardedEmbeddingTable, torch.Tensor]]:
-        tables = self._config.embedding_tables  # type: ignore[attr-defined]
-        weights = self._emb_module.split_embedding_weights()
+        tables = self.config.embedding_tables
+        weights = self.emb_module.split_embedding_weights()
         return [
             (table, cast(torch.Tensor, w))
             for t, (table, w) in enumerate(zip(tables, weights))
@@ -380,11 +381,8 @@ class _TieredKernelMixin:
         # state themselves; see the sharded modules.
         counts = Counter(table.name for table, _ in self._resident_tables())
         if counts:
-            yield from _gen_named_parameters_by_table_fused(
-                self._emb_module,
-                dict(counts),
-                self._config,  # type: ignore[attr-defined]
-                self._pg,  # type: ignore[attr-defined]
+            yield from compat.named_parameters_by_table_fused(
+                self.emb_module, dict(counts), self.config, compat.kernel_pg(self)
             )
 
     def named_buffers(
@@ -398,9 +396,10 @@ class _TieredKernelMixin:
         # Resident tables as TorchRec's FUSED kernel yields them (marked as updated in the
         # backward, so no dense optimizer takes them); tiered tables have no parameter.
         for table, weight in self._resident_tables():
-            param = nn.Parameter(weight)
-            param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-            yield f"{prefix}{table.name}.weight", param
+            yield (
+                f"{prefix}{table.name}.weight",
+                compat.mark_updated_in_backward(nn.Parameter(weight)),
+            )
 
     def state_dict(
         self,
@@ -416,7 +415,7 @@ class _TieredKernelMixin:
         return get_state_dict(
             [table for table, _ in resident],
             [weight for _, weight in resident],
-            self._pg,  # type: ignore[attr-defined]
+            compat.kernel_pg(self),
             destination,
             prefix,
         )
@@ -424,7 +423,7 @@ class _TieredKernelMixin:
 
 class TieredEmbeddingBag(
     _TieredKernelMixin, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule
-):  # type: ignore[misc]
+):
     """Pooled tiered kernel (EmbeddingBagCollection tables).
 
     Args:
@@ -444,9 +443,15 @@ class TieredEmbeddingBag(
         sharding_type: ShardingType | None = None,
     ) -> None:
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
-        self._emb_module, options = _build_cache_module(
-            config, self._local_cols, self._feature_table_map, self._pooling, device, table_options
+        module, options = _build_cache_module(
+            config,
+            compat.kernel_local_cols(self),
+            compat.kernel_feature_table_map(self),
+            compat.kernel_pooling(self),
+            device,
+            table_options,
         )
+        compat.set_emb_module(self, module)
         self._init_tiers(config, pg, options, storage)
         self.init_parameters()
 
@@ -467,7 +472,7 @@ class TieredEmbeddingBag(
         return self._watch_backward(cast(torch.Tensor, out))
 
 
-class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):  # type: ignore[misc]
+class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):
     """Sequence tiered kernel (EmbeddingCollection tables); see :class:`TieredEmbeddingBag`."""
 
     def __init__(
@@ -479,14 +484,15 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
         device: torch.device | None = None,
     ) -> None:
         BaseBatchedEmbedding.__init__(self, config, pg, device)
-        self._emb_module, options = _build_cache_module(
+        module, options = _build_cache_module(
             config,
-            self._local_cols,
-            self._feature_table_map,
+            compat.kernel_local_cols(self),
+            compat.kernel_feature_table_map(self),
             PoolingMode.NONE,
             device,
             table_options,
         )
+        compat.set_emb_module(self, module)
         self._init_tiers(config, pg, options, storage)
         self.init_parameters()
 

@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from torchrec_mtrains._compat.torch_internals import abort_process_group, default_store
+
 logger: logging.Logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -311,9 +313,8 @@ def _abort_group() -> None:
     one fail at once (gloo: the connections close) instead of waiting out the timeout."""
     if not dist.is_initialized():
         return
-    abort: Callable[[], None] | None = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
-        (abort or dist.destroy_process_group)()
+        (abort_process_group() or dist.destroy_process_group)()
         if dist.is_initialized():  # the abort left the group registered
             dist.destroy_process_group()
     except Exception as e:  # already failing: the error being raised says more than this one
@@ -387,7 +388,7 @@ def failing_together(
         yield
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    store: Any = dist.distributed_c10d._get_default_store()
+    store: Any = default_store()
     try:
         yield
     except BaseException as error:

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed._shard.sharded_tensor.shard import Shard
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_lookup import (
     GroupedEmbeddingsLookup,
@@ -32,6 +28,14 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_mtrains._compat import embedding as compat
+from torchrec_mtrains._compat.torch_internals import (
+    Shard,
+    ShardedTensor,
+    ShardMetadata,
+    TensorProperties,
+    prepend_load_state_dict_pre_hook,
+)
 from torchrec_mtrains.distributed.grouping import has_tiered, regroup_as_fused
 from torchrec_mtrains.distributed.id_bounds import IdBoundsCheck
 from torchrec_mtrains.distributed.kernel import TieredEmbedding, TieredEmbeddingBag
@@ -52,19 +56,23 @@ from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.initializers import RowAddressedInit
 
+if TYPE_CHECKING:  # what the mixins below are combined with (Any to mypy)
+    from torchrec.distributed.embedding_lookup import BaseEmbeddingLookup as _LookupBase
+    from torchrec.distributed.embedding_types import ShardedEmbeddingModule as _ShardedBase
+else:
+    _LookupBase = _ShardedBase = object
+
 logger: logging.Logger = logging.getLogger(__name__)
 
 _CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
 
 
-class _TieredLookupMixin:
+class _TieredLookupMixin(_LookupBase):
     """Storage for the tiered kernels a grouped lookup creates, and their prefetch (TorchRec's
     lookups only prefetch its own caching kernels)."""
 
     _tier_storage: TierStorage
     _tier_options: Mapping[str, TieredTableOptions]
-    _emb_modules: Any
-    _feature_splits: list[int]
 
     def __init__(
         self,
@@ -81,10 +89,12 @@ class _TieredLookupMixin:
     def prefetch(
         self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
     ) -> None:
-        super().prefetch(sparse_features, forward_stream)  # type: ignore[misc]
-        if not len(self._emb_modules):
+        super().prefetch(sparse_features, forward_stream)
+        kernels = compat.lookup_kernels(self)
+        if not kernels:
             return
-        for kernel, features in zip(self._emb_modules, sparse_features.split(self._feature_splits)):
+        splits = compat.lookup_feature_splits(self)
+        for kernel, features in zip(kernels, sparse_features.split(splits)):
             if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                 kernel.prefetch(features)
 
@@ -92,7 +102,7 @@ class _TieredLookupMixin:
 class TieredGroupedPooledEmbeddingsLookup(_TieredLookupMixin, GroupedPooledEmbeddingsLookup):
     """Grouped pooled lookup that builds :class:`TieredEmbeddingBag` for tiered groups."""
 
-    def _create_embedding_kernel(  # type: ignore[override]
+    def _create_embedding_kernel(  # TorchRec's hook: compat.POOLED_CREATE_KERNEL
         self,
         config: GroupedEmbeddingConfig,
         device: torch.device | None,
@@ -104,13 +114,13 @@ class TieredGroupedPooledEmbeddingsLookup(_TieredLookupMixin, GroupedPooledEmbed
             return TieredEmbeddingBag(
                 config, self._tier_storage, self._tier_options, pg, device, sharding_type
             )
-        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+        return compat.torchrec_create_pooled_kernel(self, config, device, pg, sharding_type, env)
 
 
 class TieredGroupedEmbeddingsLookup(_TieredLookupMixin, GroupedEmbeddingsLookup):
     """Grouped sequence lookup that builds :class:`TieredEmbedding` for tiered groups."""
 
-    def _create_embedding_kernel(  # type: ignore[override]
+    def _create_embedding_kernel(  # TorchRec's hook: compat.SEQUENCE_CREATE_KERNEL
         self,
         config: GroupedEmbeddingConfig,
         pg: dist.ProcessGroup | None,
@@ -119,24 +129,19 @@ class TieredGroupedEmbeddingsLookup(_TieredLookupMixin, GroupedEmbeddingsLookup)
     ) -> Any:
         if config.compute_kernel == _CUSTOM:
             return TieredEmbedding(config, self._tier_storage, self._tier_options, pg, device)
-        return super()._create_embedding_kernel(config, pg, device, env)
+        return compat.torchrec_create_sequence_kernel(self, config, pg, device, env)
 
 
-class _TieredShardedMixin:
+class _TieredShardedMixin(_ShardedBase):
     """State handling shared by the tiered sharded EBC and EC.
 
-    Subclasses set ``_tables_attr`` (``embedding_bags`` / ``embeddings``) and provide
-    ``_tiered_configs()``."""
+    Subclasses set ``_tables_attr`` (``embedding_bags`` / ``embeddings``, where the module's
+    state dict keeps its tables)."""
 
     _tables_attr: str
-    _configs_attr: str
     _tier_storage: TierStorage
     _tier_hot_rows: Mapping[str, Sequence[int]]
     _id_check: IdBoundsCheck
-    _lookups: Any
-    module_sharding_plan: Any
-    _model_parallel_name_to_sharded_tensor: dict[str, Any]
-    _env: ShardingEnv
 
     def __init__(
         self,
@@ -155,14 +160,13 @@ class _TieredShardedMixin:
         super().__init__(*args, **kwargs)
 
     def _configs(self) -> list[BaseEmbeddingConfig]:
-        configs: list[BaseEmbeddingConfig] = getattr(self, self._configs_attr)
-        return configs
+        return compat.table_configs(self)
 
     def _config_by_name(self) -> Mapping[str, BaseEmbeddingConfig]:
         return {c.name: c for c in self._configs()}
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
-        return super().input_dist(ctx, self._check_ids(features))  # type: ignore[misc]
+        return super().input_dist(ctx, self._check_ids(features))
 
     def _check_ids(self, features: Any) -> Any:
         """The batch as the module's bounds check lets it in (see :class:`IdBoundsCheck`)."""
@@ -174,24 +178,16 @@ class _TieredShardedMixin:
         return self._id_check
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        if skip_registering:
-            super()._initialize_torch_state(skip_registering=True)  # type: ignore[misc]
-        else:  # torchrec 1.6.1's ShardedEmbeddingCollection takes no argument
-            super()._initialize_torch_state()  # type: ignore[misc]
+        # TorchRec's hook (compat.*_INITIALIZE_TORCH_STATE): its state, then the tiered ones'.
+        compat.torchrec_initialize_torch_state(self, skip_registering)
         self._register_tiered_state()
         self._chunk_other_tables()
         if not skip_registering:
-            self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
-                _tiered_load_hook, with_module=True
-            )
+            self.register_load_state_dict_pre_hook(_tiered_load_hook)
             # Before TorchRec's own hook, which would concatenate the chunks into a copy.
-            handle = self._register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
-                _chunked_tables_load_hook, with_module=True
-            )
-            hooks = self._load_state_dict_pre_hooks  # type: ignore[attr-defined]
-            hooks.move_to_end(handle.id, last=False)
+            prepend_load_state_dict_pre_hook(self, _chunked_tables_load_hook)
             # TorchRec copies the resident tables in after the pre-hooks: a load, not training.
-            self.register_load_state_dict_post_hook(_loaded_hook)  # type: ignore[attr-defined]
+            self.register_load_state_dict_post_hook(_loaded_hook)
 
     def _chunk_other_tables(self) -> None:
         """Row chunks in the state dict for this module's other tables too (TorchRec's own
@@ -202,7 +198,8 @@ class _TieredShardedMixin:
         chunk = self._tier_storage.checkpoint_chunk_rows
         tiered = set(self._tiered_table_names())
         originals: dict[str, ShardedTensor] = {}
-        for name, tensor in list(self._model_parallel_name_to_sharded_tensor.items()):
+        tensors = compat.sharded_tensors(self)
+        for name, tensor in list(tensors.items()):
             if name in tiered or not isinstance(tensor, ShardedTensor):
                 continue
             md = tensor.metadata()
@@ -214,8 +211,8 @@ class _TieredShardedMixin:
                 or all(s.shard_sizes[0] <= chunk for s in md.shards_metadata)
             ):
                 continue
-            self._model_parallel_name_to_sharded_tensor[name] = chunk_sharded_tensor(
-                tensor, chunk, self._env.process_group
+            tensors[name] = chunk_sharded_tensor(
+                tensor, chunk, compat.module_env(self).process_group
             )
             originals[name] = tensor
         self.__dict__["_unchunked_tables"] = originals
@@ -230,7 +227,7 @@ class _TieredShardedMixin:
             value = state_dict.get(key)
             if not isinstance(value, ShardedTensor):
                 continue
-            mine = self._model_parallel_name_to_sharded_tensor[name].local_shards()
+            mine = compat.sharded_tensors(self)[name].local_shards()
             theirs = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
             if not mine or set(theirs) != {tuple(s.metadata.shard_offsets) for s in mine}:
                 continue  # another layout: TorchRec's hook handles it
@@ -242,7 +239,7 @@ class _TieredShardedMixin:
             state_dict[key] = original
 
     def reset_parameters(self) -> None:
-        device = getattr(self, "_device", None)
+        device = compat.module_device(self)
         if device is not None and device.type == "meta":
             return
         # TorchRec's reset initializes every table through its registered weight; tiered
@@ -255,13 +252,8 @@ class _TieredShardedMixin:
             for c in self._configs()
             if c.name not in tiered and isinstance(c.init_fn, RowAddressedInit)
         ]
-        skipped = tiered | {c.name for c in addressed}
-        saved = self._configs()
-        setattr(self, self._configs_attr, [c for c in saved if c.name not in skipped])
-        try:
-            super().reset_parameters()  # type: ignore[misc]
-        finally:
-            setattr(self, self._configs_attr, saved)
+        with compat.tables_hidden(self, tiered | {c.name for c in addressed}):
+            super().reset_parameters()
         for config in addressed:
             self._fill_by_offsets(config.name, config.init_fn)
         self._reset_tiered_parameters()
@@ -269,7 +261,7 @@ class _TieredShardedMixin:
     @torch.no_grad()
     def _fill_by_offsets(self, table: str, init_fn: RowAddressedInit) -> None:
         """Fills this rank's shards of a table on TorchRec's kernels, each at its offsets."""
-        tensor = self._model_parallel_name_to_sharded_tensor.get(table)
+        tensor = compat.sharded_tensors(self).get(table)
         if isinstance(tensor, ShardedTensor):
             for shard in tensor.local_shards():
                 row, col = [*shard.metadata.shard_offsets, 0, 0][:2]
@@ -282,10 +274,9 @@ class _TieredShardedMixin:
         rank's groups hold a tiered table (see :mod:`~torchrec_mtrains.distributed.grouping`),
         so the lookups, the input and the output distribution built from them put features and
         output columns where TorchRec's FUSED model puts them."""
-        per_rank = getattr(sharding, "_grouped_embedding_configs_per_rank", [])
-        if any(has_tiered(configs) for configs in per_rank):
+        if any(has_tiered(configs) for configs in compat.groups_per_rank(sharding)):
             regroup_as_fused(sharding, [c.name for c in self._configs()])
-        return list(getattr(sharding, "_grouped_embedding_configs", []))
+        return compat.groups(sharding)
 
     def _tiered_table_names(self) -> list[str]:
         return [
@@ -297,9 +288,8 @@ class _TieredShardedMixin:
     def tiered_groups(self) -> Iterator[TieredTableGroup]:
         """The tier/cache state of every tiered kernel on this rank (TorchRec hides lookups
         from ``named_modules()``)."""
-        for lookup in self._lookups:
-            module = getattr(lookup, "module", lookup)
-            for kernel in getattr(module, "_emb_modules", []):
+        for lookup in compat.module_lookups(self):
+            for kernel in compat.lookup_kernels(lookup):
                 if isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                     yield kernel.tiers
 
@@ -317,7 +307,7 @@ class _TieredShardedMixin:
 
     def _register_tiered_state(self) -> None:
         """Builds a chunked, tier-backed ShardedTensor per tiered table for state dicts."""
-        pg = self._env.process_group
+        pg = compat.module_env(self).process_group
         configs = self._config_by_name()
         for name in self._tiered_table_names():
             local = [
@@ -333,7 +323,7 @@ class _TieredShardedMixin:
                 )
             )
             whole = init_sharded_tensor(local, global_md, pg)
-            self._model_parallel_name_to_sharded_tensor[name] = chunk_sharded_tensor(
+            compat.sharded_tensors(self)[name] = chunk_sharded_tensor(
                 whole, self._tier_storage.checkpoint_chunk_rows, pg
             )
         self._chunk_optimizer_state(pg)
@@ -343,9 +333,8 @@ class _TieredShardedMixin:
         kernel's resident tables keep theirs as TorchRec's FUSED kernel lays them out."""
         chunk = self._tier_storage.checkpoint_chunk_rows
         tiered = [f"{name}.weight" for name in self._tiered_table_names()]
-        for lookup in self._lookups:
-            module = getattr(lookup, "module", lookup)
-            for kernel in getattr(module, "_emb_modules", []):
+        for lookup in compat.module_lookups(self):
+            for kernel in compat.lookup_kernels(lookup):
                 if not isinstance(kernel, (TieredEmbeddingBag, TieredEmbedding)):
                     continue
                 optimizer = kernel.fused_optimizer
@@ -389,7 +378,7 @@ class _TieredShardedMixin:
             if key not in state_dict:
                 continue
             value = state_dict.pop(key)
-            mine = self._model_parallel_name_to_sharded_tensor[name]
+            mine = compat.sharded_tensors(self)[name]
             for group, i, _ in self._tiered_shards(name):
                 if value is mine:  # its own views: what they hold is stored as the tier's
                     group.views.store_as_tier(i)
@@ -484,23 +473,24 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
     """
 
     _tables_attr = "embedding_bags"
-    _configs_attr = "_embedding_bag_configs"
 
-    def _create_lookups(self) -> None:
-        for sharding in self._embedding_shardings:
+    def _create_lookups(self) -> None:  # TorchRec's hook: compat.EBC_CREATE_LOOKUPS
+        lookups = compat.module_lookups(self)
+        for sharding in compat.module_shardings(self):
             configs = self._regrouped(sharding)
             if not has_tiered(configs):
-                self._lookups.append(sharding.create_lookup())
+                lookups.append(sharding.create_lookup())
                 continue
-            self._lookups.append(
+            args = compat.lookup_args(sharding)
+            lookups.append(
                 TieredGroupedPooledEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
                     grouped_configs=configs,
-                    pg=sharding._pg,
-                    device=sharding._device,
+                    pg=args.pg,
+                    device=args.device,
                     sharding_type=_sharding_type_of(sharding),
-                    env=sharding._env,
+                    env=args.env,
                 )
             )
 
@@ -510,25 +500,26 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
     for :class:`TieredShardedEmbeddingBagCollection`."""
 
     _tables_attr = "embeddings"
-    _configs_attr = "_embedding_configs"
 
-    def _create_lookups(self) -> None:
-        for sharding in self._sharding_type_to_sharding.values():
+    def _create_lookups(self) -> None:  # TorchRec's hook: compat.EC_CREATE_LOOKUPS
+        lookups = compat.module_lookups(self)
+        for sharding in compat.module_shardings(self):
             configs = self._regrouped(sharding)
             if not has_tiered(configs):
                 lookup = sharding.create_lookup()
             else:
+                args = compat.lookup_args(sharding)
                 lookup = TieredGroupedEmbeddingsLookup(
                     storage=self._tier_storage,
                     table_options=tier_options_by_table(self.module_sharding_plan),
                     grouped_configs=configs,
-                    pg=sharding._pg,
-                    device=sharding._device,
-                    env=sharding._env,
+                    pg=args.pg,
+                    device=args.device,
+                    env=args.env,
                 )
             if self.enable_embedding_update and sharding.enable_embedding_update:
-                self._updates.append(sharding.create_update(lookup))
-            self._lookups.append(lookup)
+                compat.module_updates(self).append(sharding.create_update(lookup))
+            lookups.append(lookup)
 
 
 def _chunked_tables_load_hook(

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed.remote_device import _remote_device
+
+from torchrec_mtrains._compat.torch_internals import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    init_from_local_shards,
+    remote_device,
+)
 
 TIER_DEVICE = "cpu"
 """Where tier-backed tensors live, whatever device computes: a tier's rows (and the views that
@@ -34,7 +38,7 @@ def on_host(md: ShardMetadata) -> ShardMetadata:
     return ShardMetadata(
         shard_offsets=list(md.shard_offsets),
         shard_sizes=list(md.shard_sizes),
-        placement=_remote_device(f"rank:{rank}/{TIER_DEVICE}"),
+        placement=remote_device(f"rank:{rank}/{TIER_DEVICE}"),
     )
 
 
@@ -67,11 +71,11 @@ def _key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
 def init_sharded_tensor(
     local_shards: list[Shard], metadata: ShardedTensorMetadata, pg: dist.ProcessGroup | None
 ) -> ShardedTensor:
-    """``ShardedTensor._init_from_local_shards_and_global_metadata`` that accepts strided views."""
+    """A ``ShardedTensor`` of ``local_shards`` under the global ``metadata``, built on this rank
+    alone (see :func:`~torchrec_mtrains._compat.torch_internals.init_from_local_shards`), that
+    accepts strided views."""
     aliases = [Shard(contiguous_alias(s.tensor), s.metadata) for s in local_shards]
-    st = ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards=aliases, sharded_tensor_metadata=metadata, process_group=pg
-    )
+    st = init_from_local_shards(aliases, metadata, pg)
     for mine, real in zip(st.local_shards(), local_shards):
         mine.tensor = real.tensor
     return st

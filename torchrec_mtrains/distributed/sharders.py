@@ -11,7 +11,7 @@ and train row 0 instead (``WARN``, on request, for every table too).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from torchrec_mtrains._compat import embedding as compat
 from torchrec_mtrains.distributed.id_bounds import OutOfRangeIdError
 from torchrec_mtrains.distributed.options import (
     BOUNDS_CHECK_MODE_KEY,
@@ -32,6 +33,11 @@ from torchrec_mtrains.distributed.sharded import (
     TieredShardedEmbeddingBagCollection,
     TieredShardedEmbeddingCollection,
 )
+
+if TYPE_CHECKING:  # what the mixin below is combined with (Any to mypy)
+    from torchrec.distributed.embedding_types import BaseEmbeddingSharder as _SharderBase
+else:
+    _SharderBase = object
 
 __all__ = [
     "BoundsCheck",
@@ -106,7 +112,7 @@ def _check_tiered_plan(
         storage.directory(ps.tier_options.tier, rank)
 
 
-class _TieredSharderMixin:
+class _TieredSharderMixin(_SharderBase):
     """Construction and kernel/sharding-type offers shared by both tiered sharders."""
 
     def __init__(
@@ -119,7 +125,7 @@ class _TieredSharderMixin:
         **kwargs: Any,
     ) -> None:
         self._bounds_check = BoundsCheck.parse(bounds_check)
-        super().__init__(  # type: ignore[call-arg]
+        super().__init__(
             fused_params=_fused_params_with_bounds_check(fused_params, self._bounds_check),
             **kwargs,
         )
@@ -144,12 +150,12 @@ class _TieredSharderMixin:
                 "torchrec_mtrains.planner.TieredShardingPlanner (or plan_tables), or build the "
                 "sharder with offer_tiered_kernel=False to get TorchRec's own plan"
             )
-        return list(super().compute_kernels(sharding_type, compute_device_type))  # type: ignore[misc]
+        return list(super().compute_kernels(sharding_type, compute_device_type))
 
     def planner_compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         """The kernels the tiered planner may choose: TorchRec's, plus the tiered kernel for the
         sharding types it runs when ``offer_tiered_kernel`` is set."""
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))  # type: ignore[misc]
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
         if self._offer_tiered and sharding_type in _TIERED_SHARDING_TYPES:
             kernels.append(TIERED_KERNEL)
         return kernels
@@ -158,7 +164,7 @@ class _TieredSharderMixin:
         """The sharding types the tiered planner may choose: TorchRec's, plus row-wise on CPU,
         which TorchRec leaves out there although it runs over gloo (reduce-scatter and
         all-to-all; the parity suite checks it). :meth:`sharding_types` stays TorchRec's own."""
-        types = list(super().sharding_types(compute_device_type))  # type: ignore[misc]
+        types = list(super().sharding_types(compute_device_type))
         if ShardingType.ROW_WISE.value not in types:
             types.append(ShardingType.ROW_WISE.value)
         return types
@@ -253,7 +259,7 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
             self.fused_params,
             device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup,
+            use_index_dedup=compat.index_dedup(self),
             module_fqn=module_fqn,
             storage=self._storage,
             hot_rows=self._hot_rows,

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.shard import Shard
 
+from torchrec_mtrains._compat.torch_internals import Shard, ShardedTensor
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
+from torchrec_mtrains._compat.torch_internals import tensor_version
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache, compile_kernels
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
@@ -82,7 +83,7 @@ class ResidentTable:
     seen: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.seen = [t._version for t in self.watched]
+        self.seen = [tensor_version(t) for t in self.watched]
 
     @property
     def rows(self) -> int:
@@ -90,7 +91,7 @@ class ResidentTable:
 
     def written(self) -> bool:
         """Whether its state-dict tensors were written in place since the last look; looks."""
-        now = [t._version for t in self.watched]
+        now = [tensor_version(t) for t in self.watched]
         written, self.seen = now != self.seen, now
         return written
 

@@ -38,6 +38,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable
 
+from torchrec_mtrains._compat.pipeline import SparseDistInternals, torchrec_next_batch
 from torchrec_mtrains.distributed.id_bounds import HostBoundsCheck, IdBoundsCheck
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline.stats import StepStats, snapshot, tiered_groups
@@ -48,7 +49,7 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 
-class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type: ignore[misc]
+class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
     """Trains batch ``i`` while batches ``i+1 .. i+k`` are input-distributed and their missing
     rows read into the tiered caches by the tier worker.
 
@@ -96,6 +97,7 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
                 print(pipeline.last_step.stall_share)
     """
 
+    # Read by TorchRec's attach() (compat.pipeline.PIPELINED_FORWARD_TYPE).
     _pipelined_forward_type = PrefetchPipelinedForward
 
     def __init__(
@@ -119,6 +121,7 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
             context_type=PrefetchTrainPipelineContext,
             custom_model_fwd=custom_model_fwd,
         )
+        self._torchrec: SparseDistInternals[In, Out] = SparseDistInternals(self)
         self._lookahead = lookahead
         self._groups: list[TieredTableGroup] | None = None
         self._host_check: HostBoundsCheck | None = None
@@ -138,16 +141,17 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         """The tiered kernels this pipeline prefetches for (found on first use: DMP builds
         them)."""
         if self._groups is None:
-            self._groups = tiered_groups(self._model)
+            self._groups = tiered_groups(self._torchrec.model)
         return self._groups
 
     # ---------------------------------------------------------------------- reading batches
 
     def _next_batch(self, dataloader_iter: Iterator[In]) -> In | None:
-        """TorchRec's, and the batch's ids checked while it is still on the host."""
-        batch: In | None = super()._next_batch(dataloader_iter)
+        """TorchRec's, and the batch's ids checked while it is still on the host (TorchRec's
+        hook: compat.pipeline.NEXT_BATCH)."""
+        batch: In | None = torchrec_next_batch(self, dataloader_iter)
         if self._host_check is None:
-            self._host_check = HostBoundsCheck(self._model)
+            self._host_check = HostBoundsCheck(self._torchrec.model)
         self._host_checked = [] if batch is None else self._host_check.check(batch)
         return batch
 
@@ -180,8 +184,9 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
             raise
 
     def _progress(self, dataloader_iter: Iterator[In]) -> Out:
-        if not self._model_attached:
-            self.attach(self._model)
+        internals = self._torchrec
+        if not internals.model_attached:
+            self.attach(internals.model)
         self._running = True
         for group in self.groups:
             if not group.background_io:
@@ -191,22 +196,22 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         self.fill_pipeline(dataloader_iter)
         if not self.batches:
             raise StopIteration
-        self._set_module_context(self.contexts[0])
-        training = bool(self._model.training)
+        internals.set_module_context(self.contexts[0])
+        training = bool(internals.model.training)
         if training:
-            self._optimizer.zero_grad()
+            internals.optimizer.zero_grad()
         # CUDA: the batch was copied and input-distributed on side streams (no-op on CPU).
-        self._wait_for_batch()
-        losses, output = self._model_fwd(self.batches[0])
+        internals.wait_for_batch()
+        losses, output = internals.model_fwd(self.batches[0])
         # Batch i+k. After the forward: batch i-1's rows are released by then, so the caches
         # need room for k+1 batches, not k+2.
         if self.enqueue_batch(dataloader_iter):
             self._distribute_and_prefetch(self.batches[-1], self.contexts[-1])
         if training:
-            self._backward(losses)
-            # torchrec 1.6.1 (the CUDA host's) has no _optimizer_step to call.
+            internals.backward(losses)
+            # TorchRec's own optimizer step is not called: torchrec 1.6.1 has none.
             with record_function(f"## optimizer {self.contexts[0].index} ##"):
-                self._optimizer.step()
+                internals.optimizer.step()
         self.dequeue_batch()
         self._record(
             StepStats.between(before, snapshot(self.groups), time.perf_counter() - started)
@@ -221,9 +226,7 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         if not self.enqueue_batch(dataloader_iter):
             return
         # Rewrites the model on the first batch (tracing needs one) and starts its input dist.
-        self._init_pipelined_modules(
-            self.batches[0], self.contexts[0], self._pipelined_forward_type
-        )
+        self._torchrec.init_pipelined_modules(self.batches[0], self.contexts[0])
         self._finish_distribution_and_prefetch(self.contexts[0])
         while len(self.batches) < self._lookahead and self.enqueue_batch(dataloader_iter):
             self._distribute_and_prefetch(self.batches[-1], self.contexts[-1])
@@ -242,13 +245,13 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         The tiered kernels read the batch's ids on that stream, after its input dist, and copy
         their rows into the cache on the tier worker's own stream (see ``copy_streams``)."""
         self.wait_sparse_data_dist(context)
-        for module in self._pipelined_modules:
+        for module in self._torchrec.pipelined_modules:
             name = module.forward.name
             request = context.input_dist_tensors_requests.pop(name)
             if not isinstance(request, Awaitable):
                 raise TypeError(f"{name}: input dist gave {type(request).__name__}")
             module_context = context.module_contexts.pop(name)
-            with self._stream_context(self._data_dist_stream):
+            with self._torchrec.on_data_dist_stream():
                 dist_input = request.wait()
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_context)
             context.module_input_post_prefetch[name] = dist_input
@@ -293,7 +296,7 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):  # type
         self.contexts.clear()
         for group in self.groups:
             group.flush()
-        if self._model_attached:
+        if self._torchrec.model_attached:
             self.detach()
 
     def _abort(self, error: BaseException) -> None:

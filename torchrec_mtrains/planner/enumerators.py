@@ -97,7 +97,7 @@ def _placements(kernel: str, context: PlanningContext) -> list[Placement]:
     return []
 
 
-class TieredEnumerator(Enumerator):  # type: ignore[misc]
+class TieredEnumerator(Enumerator):
     """Lists the sharding options of every table (see the module docstring).
 
     Args:

@@ -71,7 +71,7 @@ def rank_critical(t: StepTime, context: PlanningContext) -> float:
     return context.host.compute.step_overhead_us * 1e-6 + t.critical(context.config.overlap_tier_io)
 
 
-class TierPerfModel(PerfModel):  # type: ignore[misc]
+class TierPerfModel(PerfModel):
     """Rates a plan by its step time: the slowest rank's, since ranks synchronise every step."""
 
     def __init__(self, context: PlanningContext) -> None:
@@ -200,7 +200,7 @@ def size_caches(
                     free[shard.rank][tier] = free[shard.rank].get(tier, 0) - nbytes
 
 
-class TierPartitioner(Partitioner):  # type: ignore[misc]
+class TierPartitioner(Partitioner):
     """Rank assignment with per-tier, per-rank capacities, then greedy cache sizing.
 
     Args:

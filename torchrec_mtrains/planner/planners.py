@@ -44,6 +44,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_mtrains._compat import planner as compat
 from torchrec_mtrains.cache.policies import fbgemm_cache_algorithm
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
@@ -94,13 +95,13 @@ def torchrec_topology(context: PlanningContext) -> Topology:
     )
 
 
-class _HostReservation(StorageReservation):  # type: ignore[misc]
+class _HostReservation(StorageReservation):
     """The host topology already sets aside DRAM for the process (``dram_reserved``); TorchRec's
     heuristic reservation (a share of HBM/DDR) would reserve it twice."""
 
     def __init__(self) -> None:
         self._last: Topology | None = None
-        self._percentage = 0.0  # read by TorchRec's planner when it reports a failure
+        compat.set_reserved_share(self, 0.0)  # TorchRec's planner reads it in its reports
 
     def reserve(
         self,
@@ -118,7 +119,7 @@ class _HostReservation(StorageReservation):  # type: ignore[misc]
         return self._last
 
 
-class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
+class TieredShardingPlanner(EmbeddingShardingPlanner):
     """Plans tables onto HBM, DRAM, byte SCM and block SCM, with cache sizes.
 
     Args:
@@ -226,7 +227,7 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):  # type: ignore[misc]
             if report is None or not no_fit:
                 raise
             raise PlacementError(report) from e
-        best = cast(list[TieredShardingOption], self._best_plan)
+        best = cast(list[TieredShardingOption], compat.best_plan(self))
         by_name = {(o.path, o.name): o for o in best}
         for path, module_plan in plan.plan.items():
             for name, sharding in list(module_plan.items()):

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TierDemotionProposer"]
 
 
-class TierDemotionProposer(Proposer):  # type: ignore[misc]
+class TierDemotionProposer(Proposer):
     """Greedy demotion, then balancing (see the module docstring).
 
     Args:
@@ -62,7 +62,7 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
         self._queue: list[str] = []
         self._rounds = 0
         self._best: float | None = None
-        self._best_plan: list[ShardingOption] | None = None
+        self._best_options: list[ShardingOption] | None = None
         self._last_move: tuple[str, int] | None = None
         self._tried: set[str] = set()
 
@@ -230,7 +230,7 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
         self._queue = []
         self._rounds = 0
         self._best = None
-        self._best_plan = None
+        self._best_options = None
         self._last_move = None
         self._tried = set()
 
@@ -254,7 +254,7 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
                 else:
                     self._done = True
                 return
-            self._best, self._best_plan = perf_rating, plan
+            self._best, self._best_options = perf_rating, plan
             self._phase = "improve"
             self._queue = self._improvement_order()
         elif (
@@ -262,7 +262,7 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
             and perf_rating is not None
             and (self._best is None or perf_rating < self._best)
         ):
-            self._best, self._best_plan = perf_rating, plan
+            self._best, self._best_options = perf_rating, plan
             if self._phase == "improve" and self._last_move is not None:
                 self._queue.append(self._last_move[0])  # it may go one placement further
         elif self._last_move is not None:  # the move did not help (or did not fit): undo it
@@ -274,7 +274,7 @@ class TierDemotionProposer(Proposer):  # type: ignore[misc]
                 self._pending = True
                 return
             self._phase = "balance"
-        if self._best_plan is not None and self._balance_move(self._best_plan):
+        if self._best_options is not None and self._balance_move(self._best_options):
             self._pending = True
         else:
             self._done = True

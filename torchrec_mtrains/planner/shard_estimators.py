@@ -97,7 +97,7 @@ def table_work(
     )
 
 
-class TieredShardEstimator(ShardEstimator):  # type: ignore[misc]
+class TieredShardEstimator(ShardEstimator):
     """Fills ``storage`` and ``perf`` of every shard of :class:`TieredShardingOption` options.
 
     Args:

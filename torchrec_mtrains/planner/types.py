@@ -222,7 +222,7 @@ class PlanningContext:
         return self.host.tiers()
 
 
-class TieredShardingOption(ShardingOption):  # type: ignore[misc]
+class TieredShardingOption(ShardingOption):
     """A TorchRec ``ShardingOption`` that also knows where its rows live, each shard's cache
     size, per-tier demand and step-time breakdown.
 
@@ -347,7 +347,7 @@ class PlacementReport:
         return "\n".join(lines)
 
 
-class PlacementError(PlannerError):  # type: ignore[misc]
+class PlacementError(PlannerError):
     """No placement of the tables fits the ranks' tiers; the message lists demand against
     capacity per tier and rank for the most compact placement tried."""
 

@@ -579,10 +579,8 @@ class LogBlockSCMStore(RowStore, PassReader):
         are read a pass at a time into the row -> slot map, never whole."""
         geo = self.geometry
         heads = [self._read_region(geo.checkpoint_offset(i), self.block_size) for i in (0, 1)]
-        order = sorted(
-            (i for i in (0, 1) if self._header_of(heads[i]) is not None),
-            key=lambda i: -self._header_of(heads[i])[1],  # type: ignore[index]
-        )
+        found = {i: h for i in (0, 1) if (h := self._header_of(heads[i])) is not None}
+        order = sorted(found, key=lambda i: -found[i][1])
         for i in order:
             ckpt = self._read_checkpoint(i, segments)
             if ckpt is not None:

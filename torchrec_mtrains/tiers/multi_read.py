@@ -84,7 +84,7 @@ def read_rows_together(requests: Sequence[tuple[RowStore, npt.ArrayLike]]) -> li
 def _read_group(readings: list[_Reading]) -> None:
     """Runs the passes of stores sharing an engine kind, several stores' passes per round."""
     engine, pool = readings[0].reader._engine, readings[0].reader._buffers
-    limit = min(r.store.options.max_pass_bytes for r in readings)  # type: ignore[attr-defined]
+    limit = min(r.store.options.max_pass_bytes for r in readings)  # type: ignore[attr-defined]  # block stores: BlockIOOptions
     active = list(readings)
     while active:
         batch: list[_Reading] = []

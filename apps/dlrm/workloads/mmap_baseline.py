@@ -99,14 +99,14 @@ def _skip_torchrec_init() -> Iterator[None]:
         BatchedFusedEmbeddingBag.init_parameters,
         ShardedEmbeddingBagCollection.reset_parameters,
     )
-    BatchedFusedEmbeddingBag.init_parameters = lambda self: None  # type: ignore[method-assign]
-    ShardedEmbeddingBagCollection.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    BatchedFusedEmbeddingBag.init_parameters = lambda self: None
+    ShardedEmbeddingBagCollection.reset_parameters = lambda self: None
     try:
         yield
     finally:
         (
-            BatchedFusedEmbeddingBag.init_parameters,  # type: ignore[method-assign]
-            ShardedEmbeddingBagCollection.reset_parameters,  # type: ignore[method-assign]
+            BatchedFusedEmbeddingBag.init_parameters,
+            ShardedEmbeddingBagCollection.reset_parameters,
         ) = saved
 
 

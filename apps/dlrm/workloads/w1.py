@@ -250,7 +250,7 @@ def shard(
         model,
         device=device,
         plan=ShardingPlan({EBC_NAME: plan}),
-        sharders=[sharder],  # type: ignore[list-item]
+        sharders=[sharder],
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
