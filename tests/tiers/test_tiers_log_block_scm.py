@@ -694,7 +694,10 @@ def test_another_tiers_file_and_another_shape_are_refused(tmp_path: Path) -> Non
         ({"max_space_amplification": 1.0}, "'max_space_amplification' must be a finite number"),
         ({"max_space_amplification": float("inf")}, "'max_space_amplification' must be a fin"),
         ({"max_space_amplification": "2"}, "'max_space_amplification' must be a number, got '2'"),
-        ({"engine": "uring"}, "'engine' must be one of 'auto', 'aio', 'threads', got 'uring'"),
+        (
+            {"engine": "spdk"},
+            "'engine' must be one of 'auto', 'uring', 'aio', 'threads', got 'spdk'",
+        ),
     ],
 )
 def test_bad_options_name_the_tier_and_the_option(values: dict[str, Any], message: str) -> None:

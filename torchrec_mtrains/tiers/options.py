@@ -25,9 +25,16 @@ calls, so it holds at most two passes of buffers; the planner counts them as hos
 class IOEngineKind(str, enum.Enum):
     """Which engine a block store issues its I/Os with."""
 
-    AUTO = "auto"  # AIO for O_DIRECT files where the kernel offers it, threads otherwise
+    AUTO = "auto"  # for O_DIRECT files the first of AUTO_ENGINES the kernel offers, else threads
+    URING = "uring"
     AIO = "aio"
     THREADS = "threads"
+
+
+AUTO_ENGINES: tuple[IOEngineKind, ...] = (IOEngineKind.AIO,)
+"""What ``engine="auto"`` (the default) tries for an O_DIRECT file, in order, before a thread
+pool, logging once why it passed one over. A buffered file uses threads (native AIO blocks on
+one)."""
 
 
 _O = TypeVar("_O", bound="TierOptions")
@@ -205,8 +212,13 @@ class BlockIOOptions(TierOptions):
             at this depth.
         direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
             with one warning per process where it does not, e.g. on older tmpfs).
-        engine: ``auto`` (native AIO for O_DIRECT files, threads otherwise), ``aio`` or
-            ``threads`` (:class:`IOEngineKind`; its value is accepted too).
+        engine: how the I/Os are issued (:class:`IOEngineKind`; its value is accepted too).
+            ``auto``: for an O_DIRECT file native AIO where the kernel offers it (logging once
+            why not), and threads for a buffered file (:data:`AUTO_ENGINES`).
+            ``uring``: io_uring (registered buffers, one ``io_uring_enter`` submitting and
+            reaping many I/Os); ``aio``: native AIO (``io_submit``/``io_getevents``); these two
+            fail at open where the kernel refuses them. ``threads``: a pool of ``queue_depth``
+            threads, for any file.
         max_io_bytes: cap on one I/O, so a long sequential read (or an append) still spreads
             over the queue; at least ``block_size``.
         max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
