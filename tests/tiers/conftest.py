@@ -19,8 +19,9 @@ from torchrec_mtrains.types import RowLayout
 LOG_CASES: list[tuple[str, dict[str, Any]]] = [
     ("log_block_scm", {}),
     ("log_block_scm", {"engine": "threads", "block_size": 512, "segment_bytes": 2048}),
+    ("log_block_scm", {"engine": "aio", "queue_depth": 5}),
 ]
-LOG_IDS = ["log_block_scm", "log_block_scm-threads-512"]
+LOG_IDS = ["log_block_scm", "log_block_scm-threads-512", "log_block_scm-aio"]
 # Shared tests of a contract the log tier does not offer: its rows live in segments, not at
 # data_offset + i * row_bytes (reads go through the store; mapped_rows() is None).
 FLAT_FILE_TESTS = {"test_file_is_the_flat_row_array_after_close"}

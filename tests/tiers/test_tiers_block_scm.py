@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from tier_helpers import exact_rows, uring_refusal
 
-from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, _blockio, _linux
+from torchrec_mtrains.tiers import (
+    HeaderMismatchError,
+    OpenMode,
+    RowStoreError,
+    _blockio,
+    _linux,
+    _uring,
+)
 from torchrec_mtrains.tiers import block_scm as block_module
 from torchrec_mtrains.tiers._blockio import (
     AioEngine,
@@ -171,7 +178,7 @@ def test_direct_io_is_used_where_supported(tmp_path: Path) -> None:
         if not store.direct:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
         assert flags & _blockio._O_DIRECT
-        assert store.engine == "aio"
+        assert store.engine == ("aio" if uring_refusal() else "uring")
 
 
 def test_missing_aio_falls_back_to_threads(
@@ -180,7 +187,11 @@ def test_missing_aio_falls_back_to_threads(
     def no_aio() -> Any:
         raise OSError(errno.ENOSYS, "no AIO here")
 
+    def no_uring(entries: int) -> Any:
+        raise OSError(errno.ENOSYS, "no io_uring here")
+
     monkeypatch.setattr(_linux, "syscall_fn", no_aio)
+    monkeypatch.setattr(_uring, "Ring", no_uring)
     monkeypatch.setattr(_blockio, "_warned", set())
     with BlockSCMStore(tmp_path, "t", RowLayout(10, 4)) as store:
         assert store.engine == "threads"

@@ -182,7 +182,36 @@ def test_a_bad_descriptor_fails_its_io_alone(tmp_path: Path, engine: UringEngine
         os.close(fd)
 
 
-# ---------------------------------------------------------------------------- set-up
+# ---------------------------------------------------------------------------- fallback
+
+
+def test_a_refused_io_uring_falls_back_to_aio_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(entries: int) -> Any:  # as a seccomp filter or io_uring_disabled answers
+        raise OSError(errno.EPERM, "io_uring_setup: Operation not permitted")
+
+    monkeypatch.setattr(_uring, "Ring", refused)
+    monkeypatch.setattr(_blockio, "_warned", set())
+    caplog.set_level(logging.WARNING)
+    rows = np.arange(64, dtype=np.float32).reshape(16, 4)
+    for table in ("a", "b"):
+        with BlockSCMStore(tmp_path, table, RowLayout(16, 4)) as store:
+            if not store.direct:
+                pytest.skip(f"{tmp_path} does not support O_DIRECT")
+            assert store.engine == "aio"
+            store.write_range(0, rows)
+            np.testing.assert_array_equal(store.read_rows([15, 0]), rows[[15, 0]])
+    assert [r.getMessage() for r in caplog.records] == [
+        "io_uring unavailable ([Errno 1] io_uring_setup: Operation not permitted); block I/O "
+        "uses native AIO"
+    ]
+    with pytest.raises(
+        RowStoreError, match=r"t\.block_scm\.rows: setting up the uring I/O engine failed"
+    ):
+        BlockSCMStore(
+            tmp_path, "t", RowLayout(4, 4), options=BlockScmOptions(engine=IOEngineKind.URING)
+        )
 
 
 @needs_uring

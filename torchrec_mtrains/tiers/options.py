@@ -31,10 +31,12 @@ class IOEngineKind(str, enum.Enum):
     THREADS = "threads"
 
 
-AUTO_ENGINES: tuple[IOEngineKind, ...] = (IOEngineKind.AIO,)
+AUTO_ENGINES: tuple[IOEngineKind, ...] = (IOEngineKind.URING, IOEngineKind.AIO)
 """What ``engine="auto"`` (the default) tries for an O_DIRECT file, in order, before a thread
-pool, logging once why it passed one over. A buffered file uses threads (native AIO blocks on
-one)."""
+pool: io_uring takes less CPU per I/O than native AIO (``benchmarks/tier_bench.py --engine``;
+docs/benchmarks.md), and a kernel or container may refuse it (``kernel.io_uring_disabled``,
+seccomp), which is logged once. A buffered file uses threads (native AIO blocks on one; io_uring
+on buffered files has not been measured here)."""
 
 
 _O = TypeVar("_O", bound="TierOptions")
@@ -213,8 +215,8 @@ class BlockIOOptions(TierOptions):
         direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
             with one warning per process where it does not, e.g. on older tmpfs).
         engine: how the I/Os are issued (:class:`IOEngineKind`; its value is accepted too).
-            ``auto``: for an O_DIRECT file native AIO where the kernel offers it (logging once
-            why not), and threads for a buffered file (:data:`AUTO_ENGINES`).
+            ``auto``: for an O_DIRECT file io_uring where the kernel offers it, else native AIO
+            (logging once why), and threads for a buffered file (:data:`AUTO_ENGINES`).
             ``uring``: io_uring (registered buffers, one ``io_uring_enter`` submitting and
             reaping many I/Os); ``aio``: native AIO (``io_submit``/``io_getevents``); these two
             fail at open where the kernel refuses them. ``threads``: a pool of ``queue_depth``
