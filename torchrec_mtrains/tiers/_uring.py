@@ -1,21 +1,22 @@
 """io_uring through its three system calls and the rings they map, for the block tier's engine.
 
-No liburing: glibc does not wrap ``io_uring_setup``/``io_uring_enter``/``io_uring_register``, so
-they are issued by number (as :mod:`torchrec_mtrains.tiers._linux` issues the AIO calls), and the
-submission and completion rings are numpy views of the memory the kernel shares. A list of I/Os
-is written into the submission ring as whole arrays and its completions are read back the same
-way, so Python runs once per system call, not once per I/O.
+glibc does not wrap ``io_uring_setup``/``io_uring_enter``/``io_uring_register``, so they are
+issued by number (as :mod:`torchrec_mtrains.tiers._linux` issues the AIO calls), and the rings
+are the kernel's shared memory, written and read by address. A list of I/Os is built as one
+numpy array of entries, copied into the submission ring a run at a time, and its completions
+are copied out the same way: Python runs once per system call, not once per I/O. (The
+``liburing`` package on PyPI would make it one Python call per I/O, on ``bytearray`` buffers,
+and asks for Linux 6.14.)
 
-A :class:`Ring` belongs to one thread (the kernel's ``SINGLE_ISSUER``/``DEFER_TASKRUN`` modes
-require it, and they are what cuts the kernel's work per I/O): completions are processed in
-that thread's ``io_uring_enter``, in batches, instead of by task work that interrupts it per I/O.
-It registers the buffers it is given (``READ_FIXED``/``WRITE_FIXED``: the kernel pins their
-pages once, not per I/O) where the kernel lets it, and falls back to plain reads and writes
-where it does not (e.g. a locked-memory limit).
+A :class:`Ring` belongs to one thread: set up ``SINGLE_ISSUER | DEFER_TASKRUN`` where the kernel
+offers them, the kernel completes I/Os in that thread's own ``io_uring_enter``, in batches,
+instead of in task work that interrupts it. It registers the buffers it is given
+(``READ_FIXED``/``WRITE_FIXED``: their pages are pinned once, not per I/O) where the kernel lets
+it, and falls back to plain reads and writes where it does not (e.g. a locked-memory limit).
 
 Only x86_64 and aarch64 Linux are known here. Where completions may be posted by another CPU
 (kernels without ``DEFER_TASKRUN``) the rings are read without memory barriers, which only
-x86's ordering makes safe; :func:`open_ring` refuses that case elsewhere.
+x86's ordering makes safe; :class:`Ring` refuses that case elsewhere.
 """
 
 from __future__ import annotations
@@ -54,11 +55,8 @@ OP_READ_FIXED = 4
 OP_WRITE_FIXED = 5
 OP_READ = 22
 OP_WRITE = 23
-SQE_FIXED_FILE = 1 << 0
 _REGISTER_PROBE = 8
 _REGISTER_ENABLE_RINGS = 12
-_REGISTER_FILES2 = 13
-_REGISTER_FILES_UPDATE2 = 14
 _REGISTER_BUFFERS2 = 15
 _REGISTER_BUFFERS_UPDATE = 16
 _RSRC_REGISTER_SPARSE = 1 << 0
@@ -195,7 +193,7 @@ class RingInfo:
 
 
 class Ring:
-    """One io_uring instance: its rings mapped as numpy arrays, used by one thread at a time
+    """One io_uring instance: its rings mapped into this process, used by one thread at a time
     (by exactly one thread, the one that calls :meth:`claim`, when set up ``SINGLE_ISSUER``).
 
     Raises ``OSError`` from the constructor when the kernel refuses io_uring (an old kernel,
