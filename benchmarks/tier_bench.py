@@ -15,21 +15,40 @@ medium saw (reads, writes, and for ``log_block_scm`` its compaction and checkpoi
 rows written back per second: the block tier patches each row's block in place, the log tier
 appends the batch.
 
+With ``--depths``, the I/O engines (``--engine``, comma-separated: ``uring``, ``aio``,
+``threads``, ``auto``) are compared first, on one file of ``--engine-gib`` GiB of 4 KiB rows
+(one block each) opened with O_DIRECT (the page cache hides nothing). At each queue depth of
+``--depths`` each engine reads random 4 KiB blocks for ``--seconds`` twice: alone, a pass of
+1,024 reads at a time (the store's default pass), which is the I/O path the engines differ in,
+and under the flat block store's ``read_rows`` of ``--batch`` random rows, which adds the rows'
+own work. It does so ``--repeats`` times, interleaved, so that a noisy neighbour slows every
+engine alike. Each figure is the process's CPU time (user and system, all its threads) over the
+4 KiB reads made, and the reads per second; the table gives the minimum and median CPU of the
+repeats and the median IOPS. Every engine must read the same blocks and rows (checked on a
+fixed sample). The tiers' phases run with the first engine listed; ``--tiers`` with no name
+skips them.
+
 Example::
 
     python benchmarks/tier_bench.py --dir /tmp --rows 16777216 --dim 64 --out results.json
     python benchmarks/tier_bench.py --tiers block_scm log_block_scm --rows 4194304 \
         --dim 64 --state-width 1 --no-fio --out writeback.json
+    python benchmarks/tier_bench.py --dir /work/tb --tiers --engine aio,uring,threads \
+        --depths 32,64,128,256 --engine-gib 8 --seconds 5 --repeats 3 --out engines.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +57,24 @@ import numpy as np
 import torchrec_mtrains.tiers.log_block_scm  # noqa: F401  (registers the log tier)
 from apps.dlrm.data import ZipfRankSampler
 from torchrec_mtrains.benchmark.fio import run_fio
-from torchrec_mtrains.tiers import TIERS, OpenMode, RowStore, open_store, resolve_options
+from torchrec_mtrains.benchmark.measure import machine_info
+from torchrec_mtrains.tiers import (
+    TIERS,
+    IOEngineKind,
+    OpenMode,
+    RowStore,
+    open_store,
+    resolve_options,
+)
+from torchrec_mtrains.tiers._blockio import AlignedBuffer, IOEngine, make_engine, open_block_file
+from torchrec_mtrains.tiers.options import PASS_BYTES
 from torchrec_mtrains.types import RowLayout
 
 TARGET = 0.70
+CPU_TARGET_US = 3.0  # CPU per 4 KiB random read of the engine alone, user + system
 FILL_BYTES = 64 << 20  # rows per write_range call during the sequential fill
+BLOCK = 4096  # the engine comparison's rows: 1,024 fp32, block-aligned after the header block
+PASS_READS = PASS_BYTES // BLOCK  # the engine alone reads a store's default pass at a time
 
 
 def timed(seconds: float, step: Any) -> tuple[int, float]:
@@ -75,7 +107,7 @@ def tier_options(tier: str, args: argparse.Namespace) -> dict[str, Any]:
     """The command line's settings for the options ``tier`` takes."""
     wanted = {
         "queue_depth": args.queue_depth,
-        "engine": args.engine,
+        "engine": args.engine[0],
         "max_space_amplification": args.max_space_amplification,
     }
     names = TIERS[tier].options_type.option_names()
@@ -185,6 +217,169 @@ def bench_tier(
     return result
 
 
+def _cpu() -> tuple[float, float]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread: the thread engine's too
+    return ru.ru_utime, ru.ru_stime
+
+
+def _measure(step: Callable[[], int], seconds: float) -> dict[str, float]:
+    """Calls ``step()`` (returning the 4 KiB reads it made) for ``seconds``: reads/s and the
+    process's CPU microseconds (user, system, both) per read."""
+    step()  # warm: the engine's ring and registered buffer, its threads, the pass buffers
+    user0, sys0 = _cpu()
+    t0 = time.perf_counter()
+    reads, elapsed = 0, 0.0
+    while elapsed < seconds:
+        reads += step()
+        elapsed = time.perf_counter() - t0
+    user1, sys1 = _cpu()
+    return {
+        "iops": reads / elapsed,
+        "user_us": (user1 - user0) / reads * 1e6,
+        "sys_us": (sys1 - sys0) / reads * 1e6,
+        "cpu_us": (user1 - user0 + sys1 - sys0) / reads * 1e6,
+    }
+
+
+def _engine_alone(
+    path: Path, rows: int, kind: str, depth: int, probe: np.ndarray
+) -> tuple[IOEngine, int, Callable[[], int], bytes]:
+    """The engine ``kind`` on ``path`` opened as the block store opens it: the probe's blocks
+    as it reads them, and a step reading a pass of random 4 KiB blocks (``PASS_READS``)."""
+    fd, direct = open_block_file(path, BLOCK, BLOCK, True, "block_scm")
+    try:
+        engine = make_engine(IOEngineKind(kind), depth, direct)
+    except BaseException:
+        os.close(fd)
+        raise
+    buf = AlignedBuffer(PASS_READS * BLOCK)
+    slots = np.arange(PASS_READS, dtype=np.int64) * BLOCK
+    lengths = np.full(PASS_READS, BLOCK, dtype=np.int64)
+    rng = np.random.default_rng(4)
+    n = probe.size
+    engine.run(fd, False, buf, slots[:n], (1 + probe) * BLOCK, lengths[:n])
+    seen = buf.array[: n * BLOCK].tobytes()
+
+    def step() -> int:
+        offsets = (1 + rng.integers(0, rows, PASS_READS)) * BLOCK  # past the header block
+        engine.run(fd, False, buf, slots, offsets, lengths)
+        return PASS_READS
+
+    return engine, fd, step, seen
+
+
+def bench_engines(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The engines of ``--engine`` compared at each of ``--depths`` on one file of 4 KiB rows
+    (see the module docstring): alone, a pass of random block reads at a time, and under the
+    block store's ``read_rows``."""
+    layout = RowLayout(max(1, int(args.engine_gib * 2**30) // BLOCK), BLOCK // 4)
+    out: dict[str, Any] = {"file_gib": layout.total_bytes / 2**30, "depths": args.depths}
+    runs: dict[str, dict[str, dict[str, Any]]] = {
+        engine: {str(d): {"engine": [], "store": []} for d in args.depths} for engine in args.engine
+    }
+    flat = {"layout": "flat"}
+    mode = OpenMode.TRUNCATE
+    with open_store("block_scm", directory, "engines", layout, mode=mode, options=flat) as store:
+        out["seq_fill_mb_s"] = fill(store, np.random.default_rng(1))
+        out["direct_io"] = store.direct  # type: ignore[attr-defined]
+        path = store.path
+        assert store.data_offset == BLOCK  # row i is block 1 + i
+    probe = np.random.default_rng(2).integers(0, layout.num_rows, 64)
+    seen: dict[str, list[Any]] = {"engine": [], "store": []}  # the probe as each engine read it
+    rng = np.random.default_rng(3)
+
+    def store_step(store: RowStore) -> Callable[[], int]:
+        def step() -> int:
+            before = store.stats.bytes_read
+            store.read_rows(rng.integers(0, layout.num_rows, args.batch))
+            return (store.stats.bytes_read - before) // BLOCK  # repeated ids: read once
+
+        return step
+
+    try:
+        for _ in range(args.repeats):
+            for depth in args.depths:
+                for kind in args.engine:
+                    run = runs[kind][str(depth)]
+                    if "not_run" in run:
+                        continue
+                    try:
+                        engine, fd, step, blocks = _engine_alone(
+                            path, layout.num_rows, kind, depth, probe
+                        )
+                    except OSError as e:
+                        run["not_run"] = f"the kernel refuses the {kind} engine: {e}"
+                        continue
+                    try:
+                        run["engine_used"] = engine.kind.value
+                        run["ring"] = getattr(engine, "setup", None)  # io_uring's flags
+                        seen["engine"].append(blocks)
+                        run["engine"].append(_measure(step, args.seconds))
+                    finally:
+                        engine.close()
+                        os.close(fd)
+                    options = {**flat, "engine": kind, "queue_depth": depth}
+                    with open_store(
+                        "block_scm", directory, "engines", layout, options=options
+                    ) as s:
+                        seen["store"].append(s.read_rows(probe))
+                        run["store"].append(_measure(store_step(s), args.seconds))
+    finally:
+        path.unlink(missing_ok=True)
+    out["same_rows"] = all(all(np.array_equal(a, seen[way][0]) for a in seen[way]) for way in seen)
+    for by_depth in runs.values():
+        for run in by_depth.values():
+            for way in ("engine", "store"):
+                if run[way]:
+                    run[way] = {"repeats": run[way], **_summary(run[way])}
+    out["runs"] = runs
+    out["cpu_target_us"] = CPU_TARGET_US
+    return out
+
+
+def _summary(repeats: list[dict[str, float]]) -> dict[str, float]:
+    """The repeats' minimum and (lower) median CPU per read, and their median IOPS."""
+    by_cpu = sorted(repeats, key=lambda r: r["cpu_us"])
+    mid = by_cpu[(len(by_cpu) - 1) // 2]  # a repeat that ran, with its user/system split
+    return {
+        "cpu_us_min": by_cpu[0]["cpu_us"],
+        "cpu_us_median": mid["cpu_us"],
+        "user_us_median": mid["user_us"],
+        "sys_us_median": mid["sys_us"],
+        "iops_median": statistics.median(r["iops"] for r in repeats),
+    }
+
+
+def print_engines(r: dict[str, Any], repeats: int) -> None:
+    print(
+        f"random 4 KiB reads, {r['file_gib']:.1f} GiB file, O_DIRECT {r['direct_io']}, "
+        f"{repeats} repeat(s); CPU = the process's user + system time per 4 KiB read, "
+        f"min and median (user / sys) of the repeats; IOPS: median"
+    )
+    print(
+        "| engine | QD | alone: IOPS | CPU µs min | median (user / sys) "
+        "| store: IOPS | CPU µs min | median (user / sys) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for depth in r["depths"]:
+        for kind, by_depth in r["runs"].items():
+            run = by_depth[str(depth)]
+            used = run.get("engine_used", kind)
+            name = kind if used == kind else f"{kind} ({used})"
+            if "not_run" in run:
+                print(f"| {name} | {depth} | not run: {run['not_run']} | | | | | |")
+                continue
+            cells = [
+                f"{w['iops_median']:,.0f} | {w['cpu_us_min']:.2f} | {w['cpu_us_median']:.2f} "
+                f"({w['user_us_median']:.2f} / {w['sys_us_median']:.2f})"
+                for w in (run["engine"], run["store"])
+            ]
+            print(f"| {name} | {depth} | {cells[0]} | {cells[1]} |")
+    if not r["direct_io"]:
+        print("(buffered: the file system refuses O_DIRECT; the page cache may serve reads)")
+    print(f"every engine read the same blocks and rows: {r['same_rows']}", flush=True)
+
+
 def print_writeback(r: dict[str, Any]) -> None:
     w = r["writeback"]
     line = (
@@ -214,8 +409,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--engine", choices=["auto", "aio", "threads"], default="auto")
-    parser.add_argument("--tiers", nargs="+", default=sorted(TIERS), choices=sorted(TIERS))
+    parser.add_argument(
+        "--engine",
+        type=_engines,
+        default=[IOEngineKind.AUTO.value],
+        help="I/O engines, comma-separated (" + ", ".join(k.value for k in IOEngineKind) + "): "
+        "all are compared at --depths; the tiers' phases use the first",
+    )
+    parser.add_argument(
+        "--depths",
+        type=_ints,
+        default=[],
+        help="queue depths to compare the engines at, e.g. 32,64,128,256 (none: no comparison)",
+    )
+    parser.add_argument("--engine-gib", type=float, default=4.0, help="engine comparison file")
+    parser.add_argument("--repeats", type=int, default=3, help="engine comparison's repeats")
+    parser.add_argument(
+        "--tiers",
+        nargs="*",
+        default=sorted(TIERS),
+        choices=sorted(TIERS),
+        help="none: engines only",
+    )
     parser.add_argument(
         "--flush-every", type=int, default=16, help="write-back batches (0: at the end only)"
     )
@@ -234,8 +449,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("fio not found: install it with `apt-get install -y fio`; skipping the ratio")
         args.fio = False
     fio: dict[str, Any] = {}
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "tiers": {}}
+    results: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "date": time.strftime("%Y-%m-%d"),
+        "tiers": {},
+    }
     try:
+        if args.depths:
+            print(f"[engines] {', '.join(args.engine)} at queue depths {args.depths} ...")
+            engines = bench_engines(work, args)
+            results["engines"] = engines
+            print_engines(engines, args.repeats)
         for tier in args.tiers:
             print(f"[{tier}] {args.rows} rows x {args.dim} {args.dtype} ...", flush=True)
             r = bench_tier(tier, work, args, fio)
@@ -277,6 +502,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")
     return results
+
+
+def _engines(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    allowed = [k.value for k in IOEngineKind]
+    if not names:
+        raise argparse.ArgumentTypeError(f"name at least one of {', '.join(allowed)}")
+    for name in names:
+        if name not in allowed:
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(allowed)}")
+    return names
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -290,3 +290,29 @@ def test_tier_bench_smoke_with_skewed_write_backs_and_no_flush(tmp_path: Path) -
         w = r[tier]["writeback"]
         assert w["batches"] > 0 and w["cpu_ms_per_batch"] > 0 and w["rows_s"] > 0
     assert r["log_block_scm"]["writeback"]["log"]["compacted_rows"] > 0
+
+
+def test_tier_bench_smoke_compares_the_engines(tmp_path: Path) -> None:
+    """The engine comparison alone (no tier phases): every engine at every depth, alone and
+    under the block store, with CPU per read and IOPS, and the same rows read by all."""
+    out = tmp_path / "engines.json"
+    args = ("--dir", str(tmp_path), "--tiers", "--engine", "aio,uring,threads", "--depths", "4,8")
+    args += ("--engine-gib", "0.01", "--seconds", "0.2", "--repeats", "2", "--batch", "256")
+    done = _run("tier_bench.py", *args, "--no-fio", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert not r["tiers"] and r["machine"]["kernel"] and r["date"]
+    e = r["engines"]
+    assert e["same_rows"] and e["depths"] == [4, 8] and e["cpu_target_us"] > 0
+    assert set(e["runs"]) == {"aio", "uring", "threads"}
+    for engine, by_depth in e["runs"].items():
+        for run in by_depth.values():
+            if "not_run" in run:  # a kernel that refuses io_uring: said why, not measured
+                assert engine == "uring" and "refuses the uring engine" in run["not_run"]
+                continue
+            assert run["engine_used"] == engine
+            for way in ("engine", "store"):
+                assert len(run[way]["repeats"]) == 2
+                assert run[way]["iops_median"] > 0 and run[way]["cpu_us_median"] > 0
+                assert run[way]["cpu_us_min"] <= run[way]["cpu_us_median"]
+    assert "| engine | QD |" in done.stdout and "| uring | 8 |" in done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["engines.json"]  # work file removed

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tier_helpers import STORE_CASES, STORE_IDS, StoreFactory
+from tier_helpers import STORE_CASES, STORE_IDS, StoreFactory, uring_refusal
 
 from torchrec_mtrains.tiers import OpenMode, RowStore, open_store
 from torchrec_mtrains.types import RowLayout
@@ -19,8 +19,9 @@ from torchrec_mtrains.types import RowLayout
 LOG_CASES: list[tuple[str, dict[str, Any]]] = [
     ("log_block_scm", {}),
     ("log_block_scm", {"engine": "threads", "block_size": 512, "segment_bytes": 2048}),
+    ("log_block_scm", {"engine": "aio", "queue_depth": 5}),
 ]
-LOG_IDS = ["log_block_scm", "log_block_scm-threads-512"]
+LOG_IDS = ["log_block_scm", "log_block_scm-threads-512", "log_block_scm-aio"]
 # Shared tests of a contract the log tier does not offer: its rows live in segments, not at
 # data_offset + i * row_bytes (reads go through the store; mapped_rows() is None).
 FLAT_FILE_TESTS = {"test_file_is_the_flat_row_array_after_close"}
@@ -29,6 +30,8 @@ FLAT_FILE_TESTS = {"test_file_is_the_flat_row_array_after_close"}
 @pytest.fixture(params=STORE_CASES + LOG_CASES, ids=STORE_IDS + LOG_IDS)
 def store_case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     tier, options = request.param
+    if options.get("engine") == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
     if tier == "log_block_scm":
         # Registered here, when a test runs, not at collection: tests elsewhere parametrize
         # over the registry as the tiers the distributed layer can use, which it is not yet.

@@ -10,11 +10,24 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tier_helpers import exact_rows
+from tier_helpers import exact_rows, uring_refusal
 
-from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, _blockio, _linux
+from torchrec_mtrains.tiers import (
+    HeaderMismatchError,
+    OpenMode,
+    RowStoreError,
+    _blockio,
+    _linux,
+    _uring,
+)
 from torchrec_mtrains.tiers import block_scm as block_module
-from torchrec_mtrains.tiers._blockio import AioEngine, AlignedBuffer, IOEngineKind, ThreadEngine
+from torchrec_mtrains.tiers._blockio import (
+    AioEngine,
+    AlignedBuffer,
+    IOEngineKind,
+    ThreadEngine,
+    UringEngine,
+)
 from torchrec_mtrains.tiers.block_scm import BlockSCMStore
 from torchrec_mtrains.tiers.options import BlockScmOptions
 from torchrec_mtrains.types import RowLayout
@@ -165,7 +178,7 @@ def test_direct_io_is_used_where_supported(tmp_path: Path) -> None:
         if not store.direct:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
         assert flags & _blockio._O_DIRECT
-        assert store.engine == "aio"
+        assert store.engine == ("aio" if uring_refusal() else "uring")
 
 
 def test_missing_aio_falls_back_to_threads(
@@ -174,7 +187,11 @@ def test_missing_aio_falls_back_to_threads(
     def no_aio() -> Any:
         raise OSError(errno.ENOSYS, "no AIO here")
 
+    def no_uring(entries: int) -> Any:
+        raise OSError(errno.ENOSYS, "no io_uring here")
+
     monkeypatch.setattr(_linux, "syscall_fn", no_aio)
+    monkeypatch.setattr(_uring, "Ring", no_uring)
     monkeypatch.setattr(_blockio, "_warned", set())
     with BlockSCMStore(tmp_path, "t", RowLayout(10, 4)) as store:
         assert store.engine == "threads"
@@ -198,8 +215,10 @@ def test_io_errors_name_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     store.close()
 
 
-@pytest.mark.parametrize("engine_cls", [AioEngine, ThreadEngine])
+@pytest.mark.parametrize("engine_cls", [AioEngine, ThreadEngine, UringEngine])
 def test_engines_move_blocks_and_report_errors(tmp_path: Path, engine_cls: type) -> None:
+    if engine_cls is UringEngine and uring_refusal():
+        pytest.skip(uring_refusal())
     path = tmp_path / "raw"
     data = np.random.default_rng(7).integers(0, 255, 64 * 1024, dtype=np.uint8)
     path.write_bytes(data.tobytes())
@@ -211,8 +230,9 @@ def test_engines_move_blocks_and_report_errors(tmp_path: Path, engine_cls: type)
         lengths = np.array([4096, 4096, 8192, 4096], dtype=np.int64)
         slots = np.array([0, 1, 2, 4], dtype=np.int64) * 4096
         calls = engine.run(fd, False, buf, slots, offsets, lengths)
-        # AIO submits the four at once and reaps them; threads make one syscall per I/O.
-        assert calls >= (2 if engine_cls is AioEngine else 4)
+        # AIO submits the four at once and reaps them, io_uring does both in one call;
+        # threads make one syscall per I/O.
+        assert calls >= {AioEngine: 2, UringEngine: 1, ThreadEngine: 4}[engine_cls]
         for slot, off, n in zip(slots, offsets, lengths):
             np.testing.assert_array_equal(buf.array[slot : slot + n], data[off : off + n])
         buf.array[:4096] = 9

@@ -13,13 +13,24 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tier_helpers import uring_refusal
 
 from torchrec_mtrains.tiers import OpenMode, RowStore, RowStoreError, open_store
-from torchrec_mtrains.tiers._blockio import AioEngine, BlockIOError, BufferPool, ThreadEngine
+from torchrec_mtrains.tiers._blockio import (
+    AioEngine,
+    BlockIOError,
+    BufferPool,
+    IOEngine,
+    ThreadEngine,
+    UringEngine,
+)
 from torchrec_mtrains.tiers.multi_read import read_rows_together
 from torchrec_mtrains.types import RowLayout
 
-# Mixed stores of one worker: log and flat block layouts on both engines, and a memory tier.
+# Mixed stores of one worker: log and flat block layouts on every engine, and a memory tier.
+ENGINES: dict[str, type[IOEngine]] = {"aio": AioEngine, "threads": ThreadEngine}
+if not uring_refusal():
+    ENGINES["uring"] = UringEngine
 LOG = {"layout": "log", "block_size": 512, "segment_bytes": 4096, "max_pass_bytes": 8192}
 FLAT = {"layout": "flat", "block_size": 512, "max_pass_bytes": 8192}
 
@@ -58,7 +69,7 @@ def _fill(stores: list[RowStore], rng: np.random.Generator, skip: int = 0) -> No
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(seed=st.integers(0, 2**31), engine=st.sampled_from(["aio", "threads"]))
+@given(seed=st.integers(0, 2**31), engine=st.sampled_from(sorted(ENGINES)))
 def test_reading_together_returns_what_each_store_reads_alone(
     tmp_path_factory: pytest.TempPathFactory, seed: int, engine: str
 ) -> None:
@@ -99,7 +110,7 @@ class _Recording:
         monkeypatch.setattr(cls, "run", run)
 
 
-@pytest.mark.parametrize("engine", ["aio", "threads"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_the_tables_share_passes_of_at_most_one_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
@@ -111,7 +122,7 @@ def test_the_tables_share_passes_of_at_most_one_buffer(
     try:
         _fill(stores, rng)
         requests = [(s, rng.choice(s.layout.num_rows, 12, replace=False)) for s in block_stores]
-        recording = _Recording(monkeypatch, AioEngine if engine == "aio" else ThreadEngine)
+        recording = _Recording(monkeypatch, ENGINES[engine])
         for s, ids in requests:
             s.read_rows(ids)
         alone = len(recording.runs)

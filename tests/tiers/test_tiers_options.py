@@ -68,8 +68,8 @@ def test_block_options_list_their_keys_when_one_is_misspelt() -> None:
         (BlockScmOptions, {"direct": 1}, "'direct' must be true or false, got 1"),
         (
             BlockScmOptions,
-            {"engine": "uring"},
-            "'engine' must be one of 'auto', 'aio', 'threads', got 'uring'",
+            {"engine": "spdk"},
+            "'engine' must be one of 'auto', 'uring', 'aio', 'threads', got 'spdk'",
         ),
         (BlockScmOptions, {"max_io_bytes": 512}, r"'max_io_bytes' \(512\) must be >= block_size"),
         (BlockScmOptions, {"max_pass_bytes": 0}, "'max_pass_bytes' must be >= 1"),

@@ -25,9 +25,18 @@ calls, so it holds at most two passes of buffers; the planner counts them as hos
 class IOEngineKind(str, enum.Enum):
     """Which engine a block store issues its I/Os with."""
 
-    AUTO = "auto"  # AIO for O_DIRECT files where the kernel offers it, threads otherwise
+    AUTO = "auto"  # for O_DIRECT files the first of AUTO_ENGINES the kernel offers, else threads
+    URING = "uring"
     AIO = "aio"
     THREADS = "threads"
+
+
+AUTO_ENGINES: tuple[IOEngineKind, ...] = (IOEngineKind.URING, IOEngineKind.AIO)
+"""What ``engine="auto"`` (the default) tries for an O_DIRECT file, in order, before a thread
+pool: io_uring takes less CPU per I/O than native AIO (``benchmarks/tier_bench.py --engine``;
+docs/benchmarks.md), and a kernel or container may refuse it (``kernel.io_uring_disabled``,
+seccomp), which is logged once. A buffered file uses threads (native AIO blocks on one; io_uring
+on buffered files has not been measured here)."""
 
 
 _O = TypeVar("_O", bound="TierOptions")
@@ -205,8 +214,13 @@ class BlockIOOptions(TierOptions):
             at this depth.
         direct: use ``O_DIRECT`` where the file system supports it (falls back to buffered I/O
             with one warning per process where it does not, e.g. on older tmpfs).
-        engine: ``auto`` (native AIO for O_DIRECT files, threads otherwise), ``aio`` or
-            ``threads`` (:class:`IOEngineKind`; its value is accepted too).
+        engine: how the I/Os are issued (:class:`IOEngineKind`; its value is accepted too).
+            ``auto``: for an O_DIRECT file io_uring where the kernel offers it, else native AIO
+            (logging once why), and threads for a buffered file (:data:`AUTO_ENGINES`).
+            ``uring``: io_uring (registered buffers, one ``io_uring_enter`` submitting and
+            reaping many I/Os); ``aio``: native AIO (``io_submit``/``io_getevents``); these two
+            fail at open where the kernel refuses them. ``threads``: a pool of ``queue_depth``
+            threads, for any file.
         max_io_bytes: cap on one I/O, so a long sequential read (or an append) still spreads
             over the queue; at least ``block_size``.
         max_pass_bytes: buffer memory one batch may use; larger batches are done in passes.
