@@ -2,7 +2,8 @@
 
 fio measures it where it is installed (:func:`~torchrec_mtrains.benchmark.fio.run_fio`). Where
 it is not (a GPU host without network, say), the same job runs through the block tier's own
-native AIO engine: O_DIRECT reads of random aligned blocks of a scratch file written first
+I/O engine (the one its stores open with: io_uring where the kernel offers it, else native AIO):
+O_DIRECT reads of random aligned blocks of a scratch file written first
 (a sparse file would read as zeros without touching the device), ``queue_depth`` in flight.
 Either way the figure is the device's, not a store's: no index, cache or row copy runs.
 """
@@ -29,16 +30,19 @@ def random_read_iops(
     directory: Path, size_bytes: int, seconds: float, queue_depth: int = 32
 ) -> dict[str, float | str]:
     """Random 4 KiB reads a second over a ``size_bytes`` file in ``directory``:
-    ``{"iops", "source"}`` (``fio``, or ``aio`` for the tier's engine), plus ``lat_us`` from
-    fio. The scratch file is removed afterwards."""
+    ``{"iops", "source"}`` (``fio``, or the tier's engine that ran it: ``uring``, ``aio`` or
+    ``threads``), plus ``lat_us`` from fio. The scratch file is removed afterwards."""
     directory.mkdir(parents=True, exist_ok=True)
     fio = run_fio(directory, max(1, round(seconds)), str(size_bytes))
     if fio is not None:
         return {"iops": fio["iops"], "lat_us": fio["lat_us"], "source": "fio"}
-    return {"iops": _aio_iops(directory, size_bytes, seconds, queue_depth), "source": "aio"}
+    iops, engine = _engine_iops(directory, size_bytes, seconds, queue_depth)
+    return {"iops": iops, "source": engine}
 
 
-def _aio_iops(directory: Path, size_bytes: int, seconds: float, queue_depth: int) -> float:
+def _engine_iops(
+    directory: Path, size_bytes: int, seconds: float, queue_depth: int
+) -> tuple[float, str]:
     blocks = max(1, size_bytes // BLOCK)
     path = directory / "random_read_probe.bin"
     rng = np.random.default_rng(0)
@@ -62,7 +66,7 @@ def _aio_iops(directory: Path, size_bytes: int, seconds: float, queue_depth: int
                 offsets = rng.integers(0, blocks, _CALL_READS, dtype=np.int64) * BLOCK
                 engine.run(fd, False, buf, buf_offsets, offsets, lengths)
                 done += _CALL_READS
-            return done / (time.perf_counter() - t0)
+            return done / (time.perf_counter() - t0), engine.kind.value
         finally:
             engine.close()
             os.close(fd)
