@@ -149,3 +149,24 @@ def test_a_group_of_one_passes_errors_through() -> None:
     ):
         raise ValueError("plain")
     assert isinstance(RankFailure("x", (1,)), RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("text", "how"),
+    [
+        ("Application timeout caused pair closure", "timed out"),  # gloo, not naming itself
+        (
+            "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+            "lost a peer",
+        ),
+        ("an error of this rank's own", None),
+    ],
+)
+def test_gloos_ways_of_saying_a_collective_failed_are_told_apart(
+    text: str, how: str | None
+) -> None:
+    from torchrec_mtrains.distributed.runtime import _collective_failure
+
+    wrapped = RuntimeError("the pipeline's wait failed")
+    wrapped.__cause__ = RuntimeError(text)
+    assert _collective_failure(wrapped) == how

@@ -269,6 +269,9 @@ _BOARD = "torchrec_mtrains/failure/"
 # Messages of a collective that failed for want of a peer (gloo's, and the c10d wrappers').
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+# gloo's own words where its message does not name it: a pair it closed when a collective
+# waited past the timeout ("Application timeout caused pair closure").
+_GLOO_ONLY = ("pair closure",)
 
 
 def _collective_failure(error: BaseException) -> str | None:
@@ -281,7 +284,10 @@ def _collective_failure(error: BaseException) -> str | None:
         seen.add(id(found))
         text = str(found)
         if isinstance(found, RuntimeError) and (
-            isinstance(found, dist.DistError) or "gloo" in text or "NCCL" in text
+            isinstance(found, dist.DistError)
+            or "gloo" in text
+            or "NCCL" in text
+            or any(marker in text for marker in _GLOO_ONLY)
         ):
             if any(marker in text for marker in _TIMED_OUT):
                 return "timed out"
