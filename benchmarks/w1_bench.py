@@ -90,7 +90,7 @@ from apps.dlrm.workloads.w1 import (
     probe_sizes,
     tiered_groups,
 )
-from torchrec_mtrains.benchmark.fio import run_fio
+from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import (
     ProcessCounters,
@@ -171,6 +171,7 @@ class WorkerSpec:
     reference_losses: list[float] | None = None
     check_only: bool = False  # A run for its first losses only (when A is not timed)
     smoke: bool = False
+    cache_policy: str | None = None  # ours' caches (the planner's default when None)
 
 
 def load_cache_kernels() -> None:
@@ -214,7 +215,15 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                 raise ValueError(f"variant {spec.variant} needs a budget")
             budget = int(spec.budget_fraction * wl.embedding_bytes)
             layout = "flat" if spec.variant == "ours_flat" else None  # None: the preset's
-            built = build_tiered(wl, directory, budget, spec.lookahead, layout, spec.smoke)
+            built = build_tiered(
+                wl,
+                directory,
+                budget,
+                spec.lookahead,
+                layout,
+                spec.smoke,
+                cache_policy=spec.cache_policy,
+            )
         else:
             raise ValueError(f"unknown variant {spec.variant!r}; expected one of {VARIANTS}")
         result["build_s"] = time.perf_counter() - t0
@@ -571,6 +580,7 @@ class Runner:
             ),
             fill_caches=not self.args.smoke,
             smoke=self.args.smoke,
+            cache_policy=self.args.cache_policy,
             reference_losses=None if variant in ("A", "probe") else self.reference_losses,
             check_only=check_only,
         )
@@ -654,7 +664,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "min"
             ),
             "ours_stall_share": ours.get("stall_share"),
-            **_device_floor(ours, a, results.get("fio", {}).get("iops_mean")),
+            **_device_floor(ours, a, results.get("fio", {}).get("iops_mean"), results),
         }
         table.append(row)
     targets: dict[str, Any] = {}
@@ -730,7 +740,7 @@ def _tiered_targets(variant: str, results: dict[str, Any], a_rate: float | None)
 
 
 def _device_floor(
-    ours: dict[str, Any], a: dict[str, Any], fio_iops: float | None
+    ours: dict[str, Any], a: dict[str, Any], fio_iops: float | None, results: dict[str, Any]
 ) -> dict[str, Any]:
     """The block I/O a step of ours needs and the device time it takes at fio's random-read
     rate: misses read their blocks, and dirty rows written back cost a read-modify-write of
@@ -746,11 +756,22 @@ def _device_floor(
     tiers = ours["tiers"]
     floor_ms = blocks / fio_iops * 1e3 if fio_iops else None
     a_step = a.get("step_ms_median") if a.get("ok") else None
+    # The samples/s the disk's random-read rate allows at this many blocks a step (the
+    # IOPS-bound rate), and ours as a share of it.
+    bound = results["workload"]["batch_size"] / (floor_ms / 1e3) if floor_ms else None
+    rate = _rate(ours)
+    read_blocks = float(tiers["tier_bytes_read"]) / BLOCK_SIZE
+    rows_read = float(tiers.get("tier_rows_read") or 0.0)
     return {
         "ours_blocks_per_step": blocks,
+        "ours_read_blocks_per_step": read_blocks / steps,
+        # Rows a read block served: the misses (and compaction's moves) it held.
+        "ours_rows_per_read_block": rows_read / read_blocks if read_blocks and rows_read else None,
         "ours_io_calls_per_step": tiers.get("tier_io_calls", 0.0) / steps,
         "ours_device_floor_ms": floor_ms,
         "ours_vs_A_device_bound": a_step / floor_ms if a_step and floor_ms else None,
+        "iops_bound_samples_per_s": bound,
+        "ours_vs_iops_bound": rate / bound if rate and bound else None,
     }
 
 
@@ -846,12 +867,19 @@ def print_summary(results: dict[str, Any]) -> None:
                 f"{r['B_plain_samples_per_s']:,.0f} samples/s; ours / B_plain "
                 f"{f(r['ours_vs_B_plain'], '.1f')}"
             )
+    iops = results.get("fio", {}).get("iops_mean")
+    source = ((results.get("fio") or {}).get("before") or {}).get("source", "fio")
     for r in s["table"]:
         if r.get("ours_device_floor_ms"):
             print(
                 f"ours at {r['budget_fraction']:.0%}: {r['ours_blocks_per_step']:,.0f} 4 KiB block "
-                f"I/Os per step (miss reads + write-back read-modify-writes) = "
-                f"{r['ours_device_floor_ms']:.0f} ms of device time at fio's rate, so ours / A "
+                f"I/Os per step (miss reads + write-backs), "
+                f"{f(r.get('ours_read_blocks_per_step'), ',.0f')} of them reads serving "
+                f"{f(r.get('ours_rows_per_read_block'), '.2f')} rows each = "
+                f"{r['ours_device_floor_ms']:.0f} ms of device time at the disk's "
+                f"{iops:,.0f} random reads/s ({source}): an IOPS-bound rate of "
+                f"{f(r.get('iops_bound_samples_per_s'), ',.0f')} samples/s, ours "
+                f"{f(r.get('ours_vs_iops_bound'), '.0%')} of it; ours / A "
                 f"<= {r['ours_vs_A_device_bound']:.2f} on this device"
             )
     for name, t in s["targets"].items():
@@ -1087,6 +1115,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--lookahead", type=int, default=2, help="0 turns look-ahead off")
     parser.add_argument(
+        "--cache-policy",
+        default=None,
+        help="ours' caches' eviction policy, a registered one (default: the planner's)",
+    )
+    parser.add_argument(
         "--b-advice",
         choices=["normal", "random"],
         default="random",
@@ -1138,8 +1171,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="added to every cap: the probe's peak varies by a few MiB between runs, and a "
         "process over its cap (no swap) is killed",
     )
-    parser.add_argument("--fio-seconds", type=int, default=10)
-    parser.add_argument("--no-fio", dest="fio", action="store_false")
+    parser.add_argument(
+        "--fio-seconds", type=int, default=10, help="seconds of each disk read-rate probe"
+    )
+    parser.add_argument(
+        "--no-fio",
+        dest="fio",
+        action="store_false",
+        help="skip the disk's random-read rate (fio's, or the block tier's engine's without fio)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny tables, a few steps")
     parser.add_argument(
         "--render",
@@ -1232,7 +1272,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     try:
         if args.fio and not args.smoke:
-            before = run_fio(work, args.fio_seconds, "2G")
+            # The disk's random 4 KiB read rate (fio's, or the block tier's own engine's where
+            # fio is missing), before and after the runs: the rate a step's block reads are
+            # judged by.
+            before = random_read_iops(work, 2 << 30, args.fio_seconds)
             results["fio"] = {"before": before}
         # The probe reaches its peak within a few steps; it holds as many timed batches as
         # the variants do.
@@ -1282,11 +1325,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     pair[variant]["hit_rate_bounds"] = bounds
             results["budgets"][_key(budget)] = pair
         if args.fio and not args.smoke:
-            after = run_fio(work, args.fio_seconds, "2G")
+            after = random_read_iops(work, 2 << 30, args.fio_seconds)
             results["fio"]["after"] = after
             runs = [r for r in (results["fio"]["before"], after) if r]
             if runs:
-                results["fio"]["iops_mean"] = statistics.mean(r["iops"] for r in runs)
+                results["fio"]["iops_mean"] = statistics.mean(float(r["iops"]) for r in runs)
     except LossMismatch as e:
         raise SystemExit(f"W1 stopped: {e}") from None
     finally:

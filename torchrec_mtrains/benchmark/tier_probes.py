@@ -99,6 +99,7 @@ def tier_delta(
         "misses": lookups - hits,
         "writebacks": sum(t["writebacks"] for t in tables.values()),
         "tier_bytes_read": sum(t["tier_bytes_read"] for t in tables.values()),
+        "tier_rows_read": sum(t.get("tier_rows_read", 0.0) for t in tables.values()),
         "tier_bytes_written": sum(t["tier_bytes_written"] for t in tables.values()),
         "tier_io_calls": sum(t.get("tier_io_calls", 0.0) for t in tables.values()),
         "tables": tables,

@@ -409,11 +409,15 @@ def tiered_plan(
     host: HostTopology,
     lookahead: int,
     sharder: TieredEmbeddingBagCollectionSharder,
+    cache_policy: str | None = None,
 ) -> tuple[EmbeddingModuleShardingPlan, str, dict[str, Any]]:
-    """The tiered planner's plan for ``host`` (see :func:`w1_host`)."""
+    """The tiered planner's plan for ``host`` (see :func:`w1_host`), its caches running
+    ``cache_policy`` (the planner's default when None)."""
     configs = wl.configs()
     access = {c.name: zipf_access(c.name, c.num_embeddings, 1.0, wl.zipf) for c in configs}
     config = PlannerConfig().for_lookahead(lookahead)
+    if cache_policy is not None:
+        config = dataclasses.replace(config, cache_policy=cache_policy)
     plan, summary = plan_tables(
         configs, host, 1, wl.batch_size, None, sharder, access=access, config=config
     )
@@ -443,9 +447,11 @@ def build_tiered(
     layout: str | None = None,
     smoke: bool = False,
     device: torch.device = CPU,
+    cache_policy: str | None = None,
 ) -> Built:
     """Ours: the tiered plan for the budget, its stores opened as the app opens them, with the
-    options of the host the planner costs (``store_options``), computing on ``device``."""
+    options of the host the planner costs (``store_options``), computing on ``device``, its
+    caches running ``cache_policy`` (the planner's default when None)."""
     host = w1_host(budget_bytes, layout, smoke)
     storage = TierStorage(
         root=str(directory), tier_options=store_options(host), open_mode=OpenMode.OPEN_OR_CREATE
@@ -453,7 +459,7 @@ def build_tiered(
     sharder = TieredEmbeddingBagCollectionSharder(
         storage, offer_tiered_kernel=True, fused_params=fused_params()
     )
-    plan, text, info = tiered_plan(wl, host, lookahead, sharder)
+    plan, text, info = tiered_plan(wl, host, lookahead, sharder, cache_policy)
     assert host.block_scm is not None
     info["block_layout"] = host.block_scm.layout
     info["store_options"] = {k: str(v) for k, v in storage.tier_options.items()}
