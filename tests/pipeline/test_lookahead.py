@@ -3,6 +3,7 @@ resident and never stale, per-step numbers, worker errors and Ctrl-C shut it dow
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -307,6 +308,28 @@ def test_per_step_numbers_show_the_io_hidden(tmp_path: Path) -> None:
     # (The first step's stall is ~5% of the run; the rest is scheduling noise on a busy host.)
     assert totals.stall_share < 0.15
     assert steps[0].stall_seconds > 0.005
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_collector_skips_the_model_while_training_and_not_after(
+    tmp_path: Path, freeze: bool
+) -> None:
+    """The objects that exist when training starts are frozen (``gc.freeze``) until the
+    pipeline closes, unless asked not to; training is the same either way."""
+    case = Case(depth=2, steps=6)
+    model = build(case, tmp_path / "m")
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        model, make_optimizer(case, model), torch.device("cpu"), lookahead=2, freeze_gc=freeze
+    )
+    assert gc.get_freeze_count() == 0
+    frozen = []
+    it = iter(batches(case, 0))
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(it)
+            frozen.append(gc.get_freeze_count())
+    assert all(count > 0 for count in frozen) if freeze else frozen == [0] * 6
+    assert gc.get_freeze_count() == 0
 
 
 def test_lookahead_must_be_a_positive_int(tmp_path: Path) -> None:

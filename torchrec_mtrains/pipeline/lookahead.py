@@ -25,6 +25,7 @@ same weights and optimizer state as the plain loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -84,6 +85,13 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
         lookahead: ``k``, batches prefetched ahead of the running one (>= 1).
         custom_model_fwd: as TorchRec's: called with the batch instead of ``model``, returns
             ``(losses, output)``.
+        freeze_gc: from the first step until :meth:`close`, Python's cyclic garbage collector
+            leaves alone the objects that existed when training started (``gc.freeze``): a
+            sharded model holds many (its sharded tensors' metadata, the plan, TorchRec's
+            modules), and a full collection walks them all, each time a step's allocations
+            trigger one (W1 at the 15% budget: 0.92x A frozen, 0.83-0.86x not). Garbage made
+            during training is collected as usual. The freeze is the process's: ``False``
+            leaves the collector alone.
 
     Raises:
         ValueError: if ``lookahead`` is below 1.
@@ -107,6 +115,7 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
         device: torch.device,
         lookahead: int = 1,
         custom_model_fwd: Callable[[In | None], tuple[torch.Tensor, Out]] | None = None,
+        freeze_gc: bool = True,
     ) -> None:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(
@@ -129,6 +138,8 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
         self._host_checked: list[tuple[IdBoundsCheck, int]] = []
         # True from a step's start until the pipeline shuts down (nothing to stop otherwise).
         self._running = False
+        self._freeze_gc = freeze_gc
+        self._gc_frozen = False  # whether this pipeline froze the collector (see freeze_gc)
         self.last_step: StepStats | None = None
         self.totals = StepStats()
 
@@ -187,6 +198,10 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
         internals = self._torchrec
         if not internals.model_attached:
             self.attach(internals.model)
+        if self._freeze_gc and not self._gc_frozen:
+            gc.collect()  # what is garbage now is not frozen with the rest
+            gc.freeze()
+            self._gc_frozen = True
         self._running = True
         for group in self.groups:
             if not group.background_io:
@@ -285,6 +300,9 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
 
     def _shutdown(self) -> None:
         self._running = False
+        if self._gc_frozen:
+            gc.unfreeze()
+            self._gc_frozen = False
         first: BaseException | None = None
         for group in self.groups:
             error = group.stop_background_io()
