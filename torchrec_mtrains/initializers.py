@@ -9,13 +9,22 @@ row's block of rows: the values of row ``r`` depend on ``r`` alone, whether it i
 table-wise shard, a row- or column-wise shard, or one chunk of a tiered table. Benchmarks and
 the parity sweep use it to start a FUSED and a tiered model from the same weights without
 copying tables that do not fit in memory.
+
+A virtual table (ids from a space of up to 2**50, rows made on first use) needs the values of
+any scattered set of ids at once, which block seeding makes cost a whole block of rows per id:
+:class:`IdSeededUniform` hashes ``(seed, id, column)`` to each value instead, so a row costs its
+own ``dim`` values wherever and whenever it is made, and a FUSED table filled by it (the
+parity reference) holds the same rows.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from torchrec_mtrains._compat.torch_internals import ShardedTensor
@@ -31,6 +40,14 @@ class RowAddressedInit(Protocol):
     def __call__(self, weight: Any) -> Any: ...
 
     def fill(self, rows: torch.Tensor, first_row: int, first_col: int = 0) -> None: ...
+
+
+@runtime_checkable
+class IdAddressedInit(RowAddressedInit, Protocol):
+    """A :class:`RowAddressedInit` that also fills rows given by arbitrary ids: what a virtual
+    table calls when it makes the rows of ids trained for the first time."""
+
+    def fill_ids(self, rows: torch.Tensor, ids: torch.Tensor, first_col: int = 0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,3 +104,85 @@ class RowSeededUniform:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + block) % (2**63))
         values = torch.empty(BLOCK_ROWS, self.dim, dtype=torch.float32)
         return values.uniform_(self.low, self.high, generator=g)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_UNIT = np.float32(2.0**-24)
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """SplitMix64's finalizer, elementwise (uint64 arithmetic wraps, as the hash needs)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class IdSeededUniform:
+    """``U(low, high)`` per element, a function of ``(seed, id, column)`` alone: the initial
+    row of an id is the same in a virtual table (made when the id is first trained, on any
+    rank, in any order) and in a FUSED table filled by :meth:`fill` (row ``r`` is id ``r``).
+
+    Each value is the top 24 bits of a SplitMix64 hash, scaled in float32, so it is exact and
+    platform independent. :meth:`for_config` takes TorchRec's range for a table (its
+    ``weight_init_min`` / ``weight_init_max``, by default ``±sqrt(1 / num_embeddings)``).
+
+    Args:
+        seed: the table's seed (give each table its own).
+        dim: the table's embedding dim (column shards take their columns of full rows).
+        low / high: the bounds.
+    """
+
+    seed: int
+    dim: int
+    low: float = -0.01
+    high: float = 0.01
+
+    @classmethod
+    def for_config(cls, config: Any, seed: int | None = None) -> IdSeededUniform:
+        """The initializer TorchRec's default would draw from for ``config`` (an embedding
+        config), seeded by ``seed`` or else by the table's name."""
+        if seed is None:
+            seed = zlib.crc32(config.name.encode())
+        return cls(
+            seed=seed,
+            dim=int(config.embedding_dim),
+            low=float(config.get_weight_init_min()),
+            high=float(config.get_weight_init_max()),
+        )
+
+    def __call__(self, weight: Any) -> Any:
+        """TorchRec's entry: fills a table's weight, a ``ShardedTensor`` (each local shard at
+        its offsets) or a whole table as one tensor."""
+        return RowSeededUniform.__call__(self, weight)  # type: ignore[arg-type]  # same protocol
+
+    def fill(self, rows: torch.Tensor, first_row: int, first_col: int = 0) -> None:
+        """Fills ``rows`` with the table's rows ``first_row ..`` (ids), columns
+        ``first_col ..``, in place."""
+        ids = torch.arange(first_row, first_row + rows.shape[0], dtype=torch.int64)
+        self.fill_ids(rows, ids, first_col)
+
+    def fill_ids(self, rows: torch.Tensor, ids: torch.Tensor, first_col: int = 0) -> None:
+        """Fills ``rows[i]`` with id ``ids[i]``'s initial values, columns ``first_col ..``."""
+        count, cols = rows.shape
+        if first_col + cols > self.dim:
+            raise ValueError(
+                f"columns {first_col}..{first_col + cols} exceed the table's dim {self.dim}"
+            )
+        if ids.shape != (count,):
+            raise ValueError(f"{count} rows need {count} ids, got shape {tuple(ids.shape)}")
+        if count == 0:
+            return
+        id_words = ids.to("cpu", torch.int64).numpy().astype(np.uint64)
+        seed = np.uint64(self.seed % 2**64)
+        row_keys = _splitmix64(id_words ^ _splitmix64(np.full(1, seed, dtype=np.uint64)))
+        columns = np.arange(first_col, first_col + cols, dtype=np.uint64)
+        words = _splitmix64(row_keys[:, None] + columns[None, :] * _GOLDEN)
+        unit = (words >> np.uint64(40)).astype(np.float32) * _UNIT
+        span = np.float32(self.high) - np.float32(self.low)
+        values = np.float32(self.low) + span * unit
+        with torch.no_grad():
+            rows.copy_(torch.from_numpy(values).to(rows.dtype))

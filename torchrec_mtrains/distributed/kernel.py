@@ -57,6 +57,7 @@ from torchrec_mtrains.distributed.sharded_state import (
     swap_aliases,
 )
 from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
+from torchrec_mtrains.distributed.virtual_tables import VirtualShard, physical_config
 
 if TYPE_CHECKING:  # the TorchRec kernel the mixin below is combined with (Any to mypy)
     from torchrec.distributed.embedding_kernel import BaseEmbedding as _KernelBase
@@ -231,6 +232,7 @@ class _TieredKernelMixin(_KernelBase):
         pg: dist.ProcessGroup | None,
         options: list[TieredTableOptions | None],
         storage: TierStorage,
+        virtual: Mapping[str, VirtualShard],
     ) -> None:
         self.storage = storage
         # Config index of each tiered table, in the group's order; resident ones are not in it.
@@ -251,6 +253,7 @@ class _TieredKernelMixin(_KernelBase):
             options=[o for o in options if o is not None],
             storage=storage,
             rank=_rank_of(pg),
+            virtual=[virtual.get(config.embedding_tables[t].name) for t in tiered],
             resident=[
                 ResidentTable(
                     name=config.embedding_tables[t].name,
@@ -442,6 +445,8 @@ class TieredEmbeddingBag(
         device: torch.device | None = None,
         sharding_type: ShardingType | None = None,
     ) -> None:
+        # A virtual table's kernel is built on its store's rows (see virtual_tables).
+        config, spaces = physical_config(config, table_options)
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
         module, options = _build_cache_module(
             config,
@@ -452,7 +457,7 @@ class TieredEmbeddingBag(
             table_options,
         )
         compat.set_emb_module(self, module)
-        self._init_tiers(config, pg, options, storage)
+        self._init_tiers(config, pg, options, storage, spaces)
         self.init_parameters()
 
     def forward(
@@ -483,6 +488,7 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
         pg: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
     ) -> None:
+        config, spaces = physical_config(config, table_options)  # see TieredEmbeddingBag
         BaseBatchedEmbedding.__init__(self, config, pg, device)
         module, options = _build_cache_module(
             config,
@@ -493,7 +499,7 @@ class TieredEmbedding(_TieredKernelMixin, BaseBatchedEmbedding[torch.Tensor], Fu
             table_options,
         )
         compat.set_emb_module(self, module)
-        self._init_tiers(config, pg, options, storage)
+        self._init_tiers(config, pg, options, storage, spaces)
         self.init_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:

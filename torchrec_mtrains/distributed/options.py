@@ -93,11 +93,20 @@ class TieredTableOptions:
         cache_load_factor: cache size as a fraction of the table shard's rows (at least one
             row); the cache sits in the compute device's memory.
         cache_policy: eviction policy name, one registered in ``POLICIES`` (``lru``, ``lfu``).
+        max_live_rows: for a virtual table (``use_virtual_table=True``), the most ids it
+            holds at once, over all its shards: its store's rows (a row-wise shard gets its
+            share of the id space's). ``cache_load_factor`` is a fraction of these.
+        row_init: for a virtual table, what fills the row of an id trained for the first
+            time (an ``IdAddressedInit``); the sharded module sets it from the table's
+            ``init_fn``, or TorchRec's range seeded by id (see
+            :func:`~torchrec_mtrains.distributed.virtual_tables.row_init`).
     """
 
     tier: Tier = Tier.BYTE_SCM
     cache_load_factor: float = 0.2
     cache_policy: str = DEFAULT_POLICY
+    max_live_rows: int | None = None
+    row_init: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier.parse(self.tier))
@@ -107,6 +116,8 @@ class TieredTableOptions:
         if not 0.0 < self.cache_load_factor <= 1.0:
             raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
         registered_policy(self.cache_policy)
+        if self.max_live_rows is not None and self.max_live_rows < 1:
+            raise ValueError(f"max_live_rows must be at least 1, got {self.max_live_rows}")
 
     def cache_rows(self, local_rows: int) -> int:
         return max(1, min(local_rows, math.ceil(self.cache_load_factor * local_rows)))

@@ -54,6 +54,7 @@ from torchrec_mtrains.distributed.sharded_state import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.virtual_tables import is_virtual, with_row_inits
 from torchrec_mtrains.initializers import RowAddressedInit
 
 if TYPE_CHECKING:  # what the mixins below are combined with (Any to mypy)
@@ -188,6 +189,8 @@ class _TieredShardedMixin(_ShardedBase):
             prepend_load_state_dict_pre_hook(self, _chunked_tables_load_hook)
             # TorchRec copies the resident tables in after the pre-hooks: a load, not training.
             self.register_load_state_dict_post_hook(_loaded_hook)
+            if self._virtual_table_names():
+                self.register_state_dict_pre_hook(_refuse_virtual_state)
 
     def _chunk_other_tables(self) -> None:
         """Row chunks in the state dict for this module's other tables too (TorchRec's own
@@ -285,6 +288,14 @@ class _TieredShardedMixin(_ShardedBase):
             if ps.compute_kernel == TIERED_KERNEL
         ]
 
+    def _virtual_table_names(self) -> list[str]:
+        tiered = set(self._tiered_table_names())
+        return [c.name for c in self._configs() if is_virtual(c) and c.name in tiered]
+
+    def _kernel_table_options(self) -> dict[str, TieredTableOptions]:
+        """Each tiered table's options for its kernel, a virtual table's with its initializer."""
+        return with_row_inits(tier_options_by_table(self.module_sharding_plan), self._configs())
+
     def tiered_groups(self) -> Iterator[TieredTableGroup]:
         """The tier/cache state of every tiered kernel on this rank (TorchRec hides lookups
         from ``named_modules()``)."""
@@ -309,7 +320,10 @@ class _TieredShardedMixin(_ShardedBase):
         """Builds a chunked, tier-backed ShardedTensor per tiered table for state dicts."""
         pg = compat.module_env(self).process_group
         configs = self._config_by_name()
+        virtual = set(self._virtual_table_names())
         for name in self._tiered_table_names():
+            if name in virtual:  # no state dict yet: see _refuse_virtual_state
+                continue
             local = [
                 Shard(group.views.weight_view(i), _local_metadata(shard))
                 for group, i, shard in self._tiered_shards(name)
@@ -355,6 +369,8 @@ class _TieredShardedMixin(_ShardedBase):
             if init_fn is None:
                 raise ValueError(f"table {name!r} has no init_fn")
             for group, _, shard in self._tiered_shards(name):
+                if shard.virtual is not None:
+                    continue  # its rows are made when their ids are first trained
                 if shard.created and self._tier_storage.initialize_created:
                     group.initialize(shard, init_fn, chunk)
         self._pin_hot_rows()
@@ -485,7 +501,7 @@ class TieredShardedEmbeddingBagCollection(_TieredShardedMixin, ShardedEmbeddingB
             lookups.append(
                 TieredGroupedPooledEmbeddingsLookup(
                     storage=self._tier_storage,
-                    table_options=tier_options_by_table(self.module_sharding_plan),
+                    table_options=self._kernel_table_options(),
                     grouped_configs=configs,
                     pg=args.pg,
                     device=args.device,
@@ -511,7 +527,7 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
                 args = compat.lookup_args(sharding)
                 lookup = TieredGroupedEmbeddingsLookup(
                     storage=self._tier_storage,
-                    table_options=tier_options_by_table(self.module_sharding_plan),
+                    table_options=self._kernel_table_options(),
                     grouped_configs=configs,
                     pg=args.pg,
                     device=args.device,
@@ -520,6 +536,14 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
             if self.enable_embedding_update and sharding.enable_embedding_update:
                 compat.module_updates(self).append(sharding.create_update(lookup))
             lookups.append(lookup)
+
+
+def _refuse_virtual_state(module: _TieredShardedMixin, *args: Any) -> None:
+    names = ", ".join(repr(n) for n in module._virtual_table_names())
+    raise NotImplementedError(
+        f"virtual tables {names}: state dicts and checkpoints of virtual tables are not "
+        "supported yet (their live rows would be missing from it, so none is made)"
+    )
 
 
 def _chunked_tables_load_hook(

@@ -33,6 +33,7 @@ from torchrec_mtrains.distributed.sharded import (
     TieredShardedEmbeddingBagCollection,
     TieredShardedEmbeddingCollection,
 )
+from torchrec_mtrains.distributed.virtual_tables import check_virtual_tables
 
 if TYPE_CHECKING:  # what the mixin below is combined with (Any to mypy)
     from torchrec.distributed.embedding_types import BaseEmbeddingSharder as _SharderBase
@@ -225,6 +226,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, EmbeddingBagColle
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingBagCollection:
         _check_tiered_plan(params, self._storage, env, self._hot_rows, self._bounds_check)
+        check_virtual_tables(module.embedding_bag_configs(), params, self._hot_rows)
         return TieredShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -252,6 +254,7 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, EmbeddingCollectionS
         module_fqn: str | None = None,
     ) -> TieredShardedEmbeddingCollection:
         _check_tiered_plan(params, self._storage, env, self._hot_rows, self._bounds_check)
+        check_virtual_tables(module.embedding_configs(), params, self._hot_rows)
         return TieredShardedEmbeddingCollection(
             module,
             params,

@@ -27,6 +27,7 @@ import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains._compat.torch_internals import tensor_version
+from torchrec_mtrains.cache.id_map import VirtualRowMap
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache, compile_kernels
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
@@ -38,6 +39,7 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
+from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
 from torchrec_mtrains.tiers._linux import release_freed_memory
@@ -170,6 +172,8 @@ class TieredTableGroup:
         options: placement of each table (tier, cache size, policy), aligned with ``tables``.
         storage: where tier files go.
         rank: this process's rank (files are per rank).
+        virtual: per table, its id space when it is a virtual table shard (``tables`` then
+            describe its store, see :mod:`~torchrec_mtrains.distributed.virtual_tables`).
     """
 
     def __init__(
@@ -182,12 +186,16 @@ class TieredTableGroup:
         storage: TierStorage,
         rank: int,
         resident: Sequence[ResidentTable] = (),
+        virtual: Sequence[VirtualShard | None] = (),
     ) -> None:
         self.storage = storage
         self.feature_table_map = feature_table_map
         self.resident = list(resident)
         self.shards: list[TieredTableShard] = []
-        for table, weight, state, placed in zip(tables, weight_slots, states, options):
+        spaces = list(virtual) or [None] * len(tables)
+        for table, weight, state, placed, space in zip(
+            tables, weight_slots, states, options, spaces
+        ):
             if table.local_rows == 0:
                 raise ValueError(
                     f"table {table.name!r}: rank {rank}'s row-wise shard of it holds no rows "
@@ -233,8 +241,15 @@ class TieredTableGroup:
                     row_offset=row_off,
                     col_offset=col_off,
                     created=created,
+                    virtual=space,
+                    id_map=None if space is None else VirtualRowMap(table.name, space.capacity),
                 )
             )
+            if space is not None and not created:
+                raise ValueError(
+                    f"virtual table {table.name!r}: its tier file exists, but which ids its rows "
+                    "hold is not saved with it yet; start virtual tables on new tier files"
+                )
         if any(shard.cache.backend == "numba" for shard in self.shards):
             compile_kernels()  # now, not while the first batches wait for their rows
         # One pool of I/O buffers for the group's block stores: its worker moves one table's
@@ -284,12 +299,18 @@ class TieredTableGroup:
             t_ids = torch.cat([segments[f] for f in features]) if features else ids[:0]
             if t_ids.numel():
                 lo, hi = int(t_ids.min()), int(t_ids.max())
-                if lo < 0 or hi >= shard.local_rows:
+                space = shard.virtual
+                rows, offset = (
+                    (shard.local_rows, shard.row_offset)
+                    if space is None
+                    else (space.ids, space.id_offset)
+                )
+                if lo < 0 or hi >= rows:
                     bad = lo if lo < 0 else hi
-                    where = f" (global row {bad + shard.row_offset})" if shard.row_offset else ""
+                    where = f" (global row {bad + offset})" if offset else ""
                     raise TableIdError(
                         f"table {shard.name!r}: row id {bad}{where} out of range "
-                        f"[0, {shard.local_rows}) of this shard; nothing was written"
+                        f"[0, {rows}) of this shard; nothing was written"
                     )
             table_ids.append(t_ids)
         batch.segments, batch.per_table, batch.table_ids = segments, per_table, table_ids
@@ -334,10 +355,17 @@ class TieredTableGroup:
             for index, ids in self._hot_rows.items():
                 self._pin(index, ids, inline=True)
         uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
+        made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        if any(shard.id_map is not None for shard in self.shards):
+            uniques, made = self._assign_rows(batch, uniques)
         with self._cache_lock:
             # Every table must fit before any is planned: planning updates a cache's maps.
-            for shard, (uniq, _) in zip(self.shards, uniques):
-                shard.cache.check_fits(uniq)
+            try:
+                for shard, (uniq, _) in zip(self.shards, uniques):
+                    shard.cache.check_fits(uniq)
+            except BaseException:
+                self._unassign_rows(made)
+                raise
             plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
             for shard, plan in zip(self.shards, plans):
                 shard.cache.hold(plan.slots)
@@ -349,6 +377,62 @@ class TieredTableGroup:
             rows_fetched=sum(int(p.load_ids.numel()) for p in plans),
             rows_written_back=sum(int(p.evict_dirty.sum()) for p in plans),
         )
+
+    def _assign_rows(
+        self, batch: _PlannedBatch, uniques: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[
+        list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor]]
+    ]:
+        """Turns each virtual shard's unique ids into its store rows, giving new ids rows
+        filled with their initial values (weights from the shard's initializer, optimizer
+        state zero) on the tier; ``batch.table_ids`` become rows too. Returns the rows and,
+        per shard that made rows, the new ids and their rows (for :meth:`_unassign_rows`).
+        A shard without room for its new ids refuses the batch, changing nothing."""
+        out = list(uniques)
+        made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        try:
+            for index, shard in enumerate(self.shards):
+                if shard.id_map is None:
+                    continue
+                uniq, inverse = uniques[index]
+                assigned, new = shard.id_map.assign(uniq.numpy())
+                rows_t = torch.from_numpy(assigned)
+                if new.size:
+                    new_t = torch.from_numpy(new)
+                    made.append((index, uniq[new_t], rows_t[new_t]))
+                    shard.rows_made += int(new.size)
+                out[index] = (rows_t, inverse)
+        except BaseException:
+            self._unassign_rows(made)
+            raise
+        for index, ids, new_rows in made:
+            shard = self.shards[index]
+            assert shard.virtual is not None
+            self._write_new_rows(shard, ids + shard.virtual.id_offset, new_rows)
+        for index, shard in enumerate(self.shards):
+            if shard.id_map is not None:
+                rows_t, inverse = out[index]
+                batch.table_ids[index] = rows_t[inverse]
+        return out, made
+
+    def _unassign_rows(self, made: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        for index, ids, _ in made:
+            id_map = self.shards[index].id_map
+            assert id_map is not None
+            id_map.remove(ids.numpy())
+            self.shards[index].rows_made -= int(ids.numel())
+
+    @staticmethod
+    def _write_new_rows(shard: TieredTableShard, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes the initial rows of the table's ``ids`` to the store ``rows``."""
+        assert shard.virtual is not None
+        layout = shard.store.layout
+        order = torch.argsort(rows)  # ascending rows: sequential where they run on
+        data = torch.zeros(int(ids.numel()), layout.row_width, dtype=torch.float32)
+        weights = torch.empty(int(ids.numel()), layout.dim, dtype=layout.dtype.torch_dtype)
+        shard.virtual.init.fill_ids(weights, ids[order], shard.col_offset)
+        data[:, : layout.dim] = weights.to(torch.float32)
+        shard.store.write_rows(rows[order].numpy(), data.numpy())
 
     @staticmethod
     def _remapped(batch: _PlannedBatch) -> torch.Tensor | None:

@@ -1,0 +1,247 @@
+"""TorchRec's virtual tables (``use_virtual_table=True``) on the tiers.
+
+A virtual table takes any id in ``[0, num_embeddings)``, ``num_embeddings`` up to 2**50, and
+has a row only for the ids trained so far. TorchRec 1.8 carries the API (the config flag,
+``total_num_buckets`` and its bucketized row-wise input distribution, the eviction policy
+objects) but its own kernels for it are CUDA-only and absent from the public fbgemm wheels.
+
+Here a virtual table is a tiered table with two extents:
+
+* the **id space** TorchRec routes: table-wise, the whole ``[0, num_embeddings)`` on one rank;
+  row-wise, each rank's block of buckets, whose ids the input distribution hands over with the
+  block's first id subtracted (as for any row-wise table);
+* the **store**: ``capacity`` rows per shard, from the plan's ``max_live_rows`` (the bound on
+  live rows, spread over the row-wise shards by their share of the id space).
+
+The kernel is built on the store's extent (a *physical* table: the fused module, the cache,
+the tier file and the optimizer state all see ``capacity`` dense rows), and a
+:class:`~torchrec_mtrains.cache.id_map.VirtualRowMap` per shard gives each id a row when it is
+first trained, filled by an :class:`~torchrec_mtrains.initializers.IdAddressedInit` of the
+global id, its optimizer state zeroed. So a virtual table whose ids stay below ``N`` trains
+exactly as a FUSED table of ``N`` rows filled by the same initializer.
+
+Built: table-wise and row-wise sharding, every tier and layout, EBC and EC, no eviction
+(``virtual_table_eviction_policy`` unset or ``NoEvictionPolicy``). Not yet: eviction policies,
+checkpoints of virtual tables (``state_dict()`` refuses them, naming the table, rather than
+leave them out), planning them with the tiered planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig, ShardedEmbeddingTable
+from torchrec.distributed.types import ParameterSharding, ShardingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, NoEvictionPolicy
+
+from torchrec_mtrains._compat.torch_internals import ShardedTensorMetadata, ShardMetadata
+from torchrec_mtrains.distributed.grouping import is_tiered
+from torchrec_mtrains.distributed.options import (
+    TIERED_KERNEL,
+    TieredParameterSharding,
+    TieredTableOptions,
+)
+from torchrec_mtrains.initializers import IdAddressedInit, IdSeededUniform
+
+MAX_VIRTUAL_ROWS = 2**50
+"""The largest ``num_embeddings`` of a virtual table (ids are int64; TorchRec's bound)."""
+
+VIRTUAL_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+OPTION = "TieredTableOptions.max_live_rows"
+
+
+class VirtualTableError(ValueError):
+    """A virtual table is configured or planned in a way the tiers cannot run."""
+
+
+def is_virtual(config: BaseEmbeddingConfig) -> bool:
+    return bool(getattr(config, "use_virtual_table", False))
+
+
+def row_init(config: BaseEmbeddingConfig) -> IdAddressedInit:
+    """How a virtual table's rows are made: its ``init_fn`` when that fills rows by id,
+    otherwise :class:`IdSeededUniform` over TorchRec's range for the table, seeded by its
+    name (the values TorchRec's default draws from, as a function of the id)."""
+    if isinstance(config.init_fn, IdAddressedInit):
+        return config.init_fn
+    return IdSeededUniform.for_config(config)
+
+
+def check_virtual_tables(
+    configs: Iterable[BaseEmbeddingConfig],
+    params: Mapping[str, ParameterSharding],
+    hot_rows: Mapping[str, Any] | None = None,
+) -> None:
+    """Refuses, naming the table and the option, a virtual table planned in a way the tiers
+    cannot run it (checked when the sharder shards the module, before anything is built)."""
+    for config in configs:
+        if not is_virtual(config):
+            continue
+        name = config.name
+        ps = params.get(name)
+        if ps is None:
+            continue
+        if ps.compute_kernel != TIERED_KERNEL or not isinstance(ps, TieredParameterSharding):
+            raise VirtualTableError(
+                f"table {name!r} is a virtual table (use_virtual_table=True): plan it on the "
+                f"tiered kernel with TieredParameterSharding and {OPTION} (TorchRec's own "
+                "virtual-table kernels are CUDA-only and not in the public fbgemm wheels)"
+            )
+        if ps.sharding_type not in VIRTUAL_SHARDING_TYPES:
+            raise VirtualTableError(
+                f"virtual table {name!r}: sharding type {ps.sharding_type!r} is not supported; "
+                f"use {' or '.join(VIRTUAL_SHARDING_TYPES)}"
+            )
+        if ps.tier_options.max_live_rows is None:
+            raise VirtualTableError(
+                f"virtual table {name!r}: set {OPTION}, the most ids it holds at once (its "
+                "store's rows)"
+            )
+        if not 0 < config.num_embeddings <= MAX_VIRTUAL_ROWS:
+            raise VirtualTableError(
+                f"virtual table {name!r}: num_embeddings={config.num_embeddings} must be in "
+                f"[1, 2**50]"
+            )
+        policy = getattr(config, "virtual_table_eviction_policy", None)
+        if policy is not None and not isinstance(policy, NoEvictionPolicy):
+            raise VirtualTableError(
+                f"virtual table {name!r}: virtual_table_eviction_policy="
+                f"{type(policy).__name__} is not supported yet; leave it unset or use "
+                "NoEvictionPolicy (the table then refuses a batch past its max_live_rows)"
+            )
+        if hot_rows and name in hot_rows:
+            raise VirtualTableError(
+                f"virtual table {name!r}: hot_rows cannot pin rows of a virtual table (its ids "
+                "get rows when first trained)"
+            )
+        if getattr(config, "enable_embedding_update", False):
+            raise VirtualTableError(
+                f"virtual table {name!r}: enable_embedding_update is not supported on a tier"
+            )
+
+
+def shard_capacity(max_live_rows: int, shard_rows: int, num_embeddings: int) -> int:
+    """Store rows of a shard holding ``shard_rows`` of a virtual table's ``num_embeddings``
+    ids: its share of ``max_live_rows``, at least one row."""
+    return max(1, math.ceil(max_live_rows * shard_rows / num_embeddings))
+
+
+@dataclass(frozen=True)
+class VirtualShard:
+    """The id space of one virtual table shard, beside its store.
+
+    Attributes:
+        ids: how many ids the input distribution can hand this shard: they lie in
+            ``[0, ids)`` here, ``[id_offset, id_offset + ids)`` in the table.
+        id_offset: the table's id of the shard's id 0 (row-wise: the shard's first bucket).
+        capacity: rows of the shard's store, the most ids live at once.
+        init: fills the rows of new ids (given their ids in the table).
+    """
+
+    ids: int
+    id_offset: int
+    capacity: int
+    init: IdAddressedInit
+
+
+def _physical_md(md: ShardMetadata, row_offset: int, rows: int) -> ShardMetadata:
+    offsets = list(md.shard_offsets)
+    sizes = list(md.shard_sizes)
+    offsets[0], sizes[0] = row_offset, rows
+    return ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=md.placement)
+
+
+def physical_table(
+    table: ShardedEmbeddingTable, max_live_rows: int
+) -> tuple[ShardedEmbeddingTable, VirtualShard]:
+    """``table`` (a virtual table shard) on its store's extent, and its id space.
+
+    Every shard of the table is resized to its capacity and the row-wise ones stacked in row
+    order, so the global metadata each rank derives agrees without any exchange."""
+    local = table.local_metadata
+    global_md = table.global_metadata
+    if local is None or global_md is None:
+        raise VirtualTableError(f"virtual table {table.name!r}: its shard carries no metadata")
+    ordered = sorted(global_md.shards_metadata, key=lambda m: tuple(m.shard_offsets))
+    capacities = [
+        shard_capacity(max_live_rows, int(m.shard_sizes[0]), table.num_embeddings) for m in ordered
+    ]
+    starts: dict[int, int] = {}
+    physical: list[ShardMetadata] = []
+    row = 0
+    for md, capacity in zip(ordered, capacities):
+        first = int(md.shard_offsets[0])
+        if first not in starts:
+            starts[first] = row
+            row += capacity
+        physical.append(_physical_md(md, starts[first], capacity))
+    first = int(local.shard_offsets[0])
+    capacity = shard_capacity(max_live_rows, int(local.shard_sizes[0]), table.num_embeddings)
+    new_global = ShardedTensorMetadata(
+        shards_metadata=physical,
+        size=_resized(global_md.size, row),
+        tensor_properties=global_md.tensor_properties,
+    )
+    shard = VirtualShard(
+        ids=int(local.shard_sizes[0]),
+        id_offset=first,
+        capacity=capacity,
+        init=IdSeededUniform(0, 1),  # replaced by the caller with the table's initializer
+    )
+    return (
+        dataclasses.replace(
+            table,
+            num_embeddings=row,
+            local_rows=capacity,
+            local_metadata=_physical_md(local, starts[first], capacity),
+            global_metadata=new_global,
+            dtensor_metadata=None,
+        ),
+        shard,
+    )
+
+
+def _resized(size: Any, rows: int) -> Any:
+    dims = list(size)
+    dims[0] = rows
+    return type(size)(dims)
+
+
+def with_row_inits(
+    options: Mapping[str, TieredTableOptions], configs: Iterable[BaseEmbeddingConfig]
+) -> dict[str, TieredTableOptions]:
+    """``options`` with each virtual table's :func:`row_init` (TorchRec does not hand a
+    table's ``init_fn`` to its kernels)."""
+    out = dict(options)
+    for config in configs:
+        placed = out.get(config.name)
+        if is_virtual(config) and placed is not None and placed.row_init is None:
+            out[config.name] = dataclasses.replace(placed, row_init=row_init(config))
+    return out
+
+
+def physical_config(
+    config: GroupedEmbeddingConfig, options: Mapping[str, TieredTableOptions]
+) -> tuple[GroupedEmbeddingConfig, dict[str, VirtualShard]]:
+    """``config`` with its virtual tiered tables on their stores' extent (see
+    :func:`physical_table`), and the id space of each, by table name."""
+    spaces: dict[str, VirtualShard] = {}
+    tables = []
+    for table in config.embedding_tables:
+        placed = options.get(table.name)
+        if not is_virtual(table) or placed is None or not is_tiered(table):
+            tables.append(table)
+            continue
+        if placed.max_live_rows is None:
+            raise VirtualTableError(f"virtual table {table.name!r}: set {OPTION}")
+        physical, space = physical_table(table, placed.max_live_rows)
+        init = placed.row_init or IdSeededUniform.for_config(table)
+        spaces[table.name] = dataclasses.replace(space, init=init)
+        tables.append(physical)
+    if not spaces:
+        return config, spaces
+    return dataclasses.replace(config, embedding_tables=tables), spaces
