@@ -73,6 +73,8 @@ class RowSeededUniform:
     def __call__(self, weight: Any) -> Any:
         """TorchRec's entry: fills a table's weight, a ``ShardedTensor`` (each local shard at
         its offsets) or a whole table as one tensor."""
+        if isinstance(weight, torch.Tensor) and (weight.is_meta or weight.numel() == 0):
+            return weight  # nothing to fill: a module built on meta, a rank without the table
         with torch.no_grad():
             if isinstance(weight, ShardedTensor):
                 for shard in weight.local_shards():

@@ -106,6 +106,8 @@ def check_virtual_tables(
                 f"virtual table {name!r}: num_embeddings={config.num_embeddings} must be in "
                 f"[1, 2**50]"
             )
+        if ps.sharding_type == ShardingType.ROW_WISE.value:
+            _check_buckets(config, ps)
         policy = getattr(config, "virtual_table_eviction_policy", None)
         if policy is not None and not isinstance(policy, NoEvictionPolicy):
             raise VirtualTableError(
@@ -122,6 +124,41 @@ def check_virtual_tables(
             raise VirtualTableError(
                 f"virtual table {name!r}: enable_embedding_update is not supported on a tier"
             )
+
+
+def bucket_rows(num_embeddings: int, buckets: int, world_size: int) -> list[int]:
+    """Ids per rank of a row-wise virtual table as TorchRec's bucketized input distribution
+    routes them: whole buckets of ``num_embeddings // buckets`` ids, the first
+    ``buckets % world_size`` ranks one bucket more."""
+    size = num_embeddings // buckets
+    return [size * (buckets // world_size + (r < buckets % world_size)) for r in range(world_size)]
+
+
+def _check_buckets(config: BaseEmbeddingConfig, ps: ParameterSharding) -> None:
+    name = config.name
+    buckets = getattr(config, "total_num_buckets", None)
+    spec = ps.sharding_spec
+    shards = sorted(getattr(spec, "shards", []) or [], key=lambda m: int(m.shard_offsets[0]))
+    if buckets is None:
+        return  # TorchRec routes by an even split, as the plan's
+    if config.num_embeddings % buckets:
+        raise VirtualTableError(
+            f"virtual table {name!r}: num_embeddings={config.num_embeddings} is not a multiple "
+            f"of total_num_buckets={buckets}"
+        )
+    if buckets < len(shards):
+        raise VirtualTableError(
+            f"virtual table {name!r}: total_num_buckets={buckets} is fewer than the "
+            f"{len(shards)} ranks it is sharded over (a bucket cannot be split)"
+        )
+    expected = bucket_rows(config.num_embeddings, buckets, len(shards))
+    planned = [int(m.shard_sizes[0]) for m in shards]
+    if shards and planned != expected:
+        raise VirtualTableError(
+            f"virtual table {name!r}: the plan's row-wise shards hold {planned} ids, but "
+            f"TorchRec's input distribution routes {expected} by its {buckets} buckets; plan it "
+            f"with row_wise(num_buckets={buckets}) or TorchRec's planner"
+        )
 
 
 def shard_capacity(max_live_rows: int, shard_rows: int, num_embeddings: int) -> int:

@@ -1,0 +1,281 @@
+"""Virtual tables against TorchRec's FUSED kernel, step by step.
+
+A :class:`VirtualCase` builds two ``DistributedModelParallel`` models over one table fed by two
+features (plus a FUSED table beside it, in the same sharded module):
+
+* the model under test: the table virtual (``use_virtual_table=True``, ``num_embeddings`` =
+  2**40 unless the case says otherwise) on the case's tier, store and cache;
+* the reference: the same table on TorchRec's FUSED kernel with ``REF_ROWS`` rows, filled by
+  the virtual table's initializer at the ids its rows stand for.
+
+Ids are drawn from ``REF_ROWS`` *reference rows*; reference row ``r`` stands for virtual id
+:func:`virtual_id` ``(r)``. Row-wise, the two halves of the reference rows stand for ids at the
+starts of the two halves of the id space, so each rank of the virtual table gets the ids its
+FUSED counterpart gets and pooled sums add up in the same order. Both train ``steps`` steps
+on the same batches and the outputs of every step are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.distributed.parity_harness import OPTIMIZERS
+from torchrec_mtrains.distributed.options import (
+    TIERED_KERNEL,
+    TieredParameterSharding,
+    TieredTableOptions,
+    TierStorage,
+)
+from torchrec_mtrains.distributed.runtime import free_port, process_group
+from torchrec_mtrains.distributed.sharders import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredEmbeddingCollectionSharder,
+)
+from torchrec_mtrains.distributed.virtual_tables import bucket_rows
+from torchrec_mtrains.initializers import IdSeededUniform
+from torchrec_mtrains.pipeline import tier_stats
+from torchrec_mtrains.tiers import TIERS, resolve_options
+
+VIRTUAL = "t_virtual"
+FUSED = "t_fused"
+DIM = 8
+REF_ROWS = 240
+FUSED_ROWS = 30
+BATCH = 8
+MAX_LEN = 3
+LEARNING_RATE = 0.05
+
+
+@dataclass(frozen=True)
+class VirtualCase:
+    store: str = "log_block_scm"  # a key of TIERS
+    kind: str = "ebc"  # ebc | ec
+    sharding: str = "tw"  # tw | rw
+    optimizer: str = "rowwise_adagrad"
+    weighted: bool = False
+    num_embeddings: int = 2**40
+    buckets: int = 4
+    max_live_rows: int = 260
+    cache_load_factor: float = 0.5
+    policy: str = "lfu"
+    steps: int = 12
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in asdict(self).values())
+
+
+def virtual_id(case: VirtualCase, rows: torch.Tensor) -> torch.Tensor:
+    """The virtual id each reference row stands for."""
+    if case.sharding == "tw":
+        return rows
+    half_rows = REF_ROWS // 2
+    rank1_first = bucket_rows(case.num_embeddings, case.buckets, 2)[0]
+    return torch.where(rows < half_rows, rows, rows - half_rows + rank1_first)
+
+
+def _configs(case: VirtualCase, virtual: bool) -> list[Any]:
+    cls = EmbeddingBagConfig if case.kind == "ebc" else EmbeddingConfig
+    extra: dict[str, Any] = {"init_fn": IdSeededUniform(seed=7, dim=DIM, low=-0.05, high=0.05)}
+    if virtual:
+        extra.update(use_virtual_table=True, total_num_buckets=case.buckets)
+    return [
+        cls(
+            name=VIRTUAL,
+            embedding_dim=DIM,
+            num_embeddings=case.num_embeddings if virtual else REF_ROWS,
+            feature_names=["f0", "f1"],
+            **extra,
+        ),
+        cls(
+            name=FUSED,
+            embedding_dim=DIM,
+            num_embeddings=FUSED_ROWS,
+            feature_names=["f2"],
+            init_fn=IdSeededUniform(seed=8, dim=DIM, low=-0.05, high=0.05),
+        ),
+    ]
+
+
+def make_module(case: VirtualCase, virtual: bool) -> nn.Module:
+    meta = torch.device("meta")
+    if case.kind == "ebc":
+        return EmbeddingBagCollection(
+            tables=_configs(case, virtual), is_weighted=case.weighted, device=meta
+        )
+    return EmbeddingCollection(tables=_configs(case, virtual), device=meta)
+
+
+def build_model(
+    case: VirtualCase, world_size: int, root: Path | None
+) -> DistributedModelParallel:
+    """The virtual model (tier files under ``root``) or, without ``root``, the reference."""
+    fp = {"optimizer": OPTIMIZERS[case.optimizer], "learning_rate": LEARNING_RATE}
+    sharder: ModuleSharder[nn.Module]
+    if root is None:
+        sharder = (
+            EmbeddingBagCollectionSharder(fused_params=fp)
+            if case.kind == "ebc"
+            else EmbeddingCollectionSharder(fused_params=fp)
+        )
+    else:
+        placed = TIERS[case.store].serves_tier
+        storage = TierStorage(root=str(root), tier_options={placed: resolve_options(case.store)})
+        sharder = (
+            TieredEmbeddingBagCollectionSharder(storage, fused_params=fp)
+            if case.kind == "ebc"
+            else TieredEmbeddingCollectionSharder(storage, fused_params=fp)
+        )
+    kernel = "fused" if root is None else TIERED_KERNEL
+    gen = table_wise(rank=0, compute_kernel=kernel)
+    if case.sharding == "rw":
+        gen = row_wise(compute_kernel=kernel, num_buckets=case.buckets if root else None)
+    module = make_module(case, virtual=root is not None)
+    plan = construct_module_sharding_plan(
+        module,
+        {VIRTUAL: gen, FUSED: table_wise(rank=world_size - 1, compute_kernel="fused")},
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    if root is not None:
+        plan[VIRTUAL] = TieredParameterSharding.wrap(
+            plan[VIRTUAL],
+            TieredTableOptions(
+                tier=TIERS[case.store].serves_tier,
+                cache_load_factor=case.cache_load_factor,
+                cache_policy=case.policy,
+                max_live_rows=case.max_live_rows,
+            ),
+        )
+    return DistributedModelParallel(
+        module, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
+    )
+
+
+@torch.no_grad()
+def fill_reference(case: VirtualCase, ref: DistributedModelParallel) -> None:
+    """The reference's virtual-table rows as the virtual table makes them."""
+    init = _configs(case, virtual=True)[0].init_fn
+    prefix = "embedding_bags" if case.kind == "ebc" else "embeddings"
+    for shard in ref.state_dict()[f"{prefix}.{VIRTUAL}.weight"].local_shards():
+        first = int(shard.metadata.shard_offsets[0])
+        rows = torch.arange(first, first + shard.tensor.shape[0])
+        init.fill_ids(shard.tensor, virtual_id(case, rows))
+
+
+def batch(case: VirtualCase, rank: int, step: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+    """This rank's batch of ``step``: over reference rows, and over the virtual ids."""
+    g = torch.Generator().manual_seed(case.seed * 100_003 + step * 101 + rank)
+    lengths = torch.randint(0, MAX_LEN + 1, (3, BATCH), generator=g)
+    counts = lengths.sum(dim=1).tolist()
+    ref_ids = [torch.randint(0, REF_ROWS, (counts[i],), generator=g) for i in range(2)]
+    ref_ids.append(torch.randint(0, FUSED_ROWS, (counts[2],), generator=g))
+    weights = torch.rand(sum(counts), generator=g) if case.weighted else None
+    virt_ids = [virtual_id(case, ref_ids[0]), virtual_id(case, ref_ids[1]), ref_ids[2]]
+
+    def kjt(ids: list[torch.Tensor]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            keys=["f0", "f1", "f2"],
+            values=torch.cat(ids),
+            lengths=lengths.flatten(),
+            weights=weights,
+        )
+
+    return kjt(ref_ids), kjt(virt_ids)
+
+
+def outputs(case: VirtualCase, out: Any) -> torch.Tensor:
+    if case.kind == "ebc":
+        return out.values()
+    return torch.cat([out[f].values() for f in ("f0", "f1", "f2")])
+
+
+@dataclass
+class VirtualResult:
+    case: VirtualCase
+    rank: int
+    mismatched_step: int | None
+    largest_diff: float
+    stats: dict[str, dict[str, float]]
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["case"] = asdict(self.case)
+        return d
+
+
+def run_case(case: VirtualCase, rank: int, world_size: int, root: Path) -> VirtualResult:
+    ref = build_model(case, world_size, None)
+    fill_reference(case, ref)
+    tie = build_model(case, world_size, root)
+    mismatched, largest = None, 0.0
+    for step in range(case.steps):
+        ref_batch, virt_batch = batch(case, rank, step)
+        a, b = outputs(case, ref(ref_batch)), outputs(case, tie(virt_batch))
+        if not torch.equal(a, b):
+            largest = max(largest, float((a - b).abs().max()))
+            mismatched = step if mismatched is None else mismatched
+        a.square().sum().backward()
+        b.square().sum().backward()
+    stats = {k: v for k, v in tier_stats(tie).items()}
+    return VirtualResult(case, rank, mismatched, largest, stats)
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, cases: Sequence[VirtualCase], root: str, out: str
+) -> None:
+    torch.set_num_threads(1)
+    with process_group(
+        backend="gloo", rank=rank, world_size=world_size, port=port, timeout=timedelta(seconds=120)
+    ):
+        results: list[dict[str, Any]] = []
+        try:
+            for i, case in enumerate(cases):
+                try:
+                    results.append(run_case(case, rank, world_size, Path(root) / f"c{i}").as_dict())
+                except Exception:
+                    results.append(
+                        VirtualResult(case, rank, None, 0.0, {}, traceback.format_exc()).as_dict()
+                    )
+                    break
+        finally:
+            torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def spawn_cases(
+    cases: Sequence[VirtualCase], world_size: int, root: Path
+) -> list[list[dict[str, Any]]]:
+    """Runs ``cases`` on ``world_size`` spawned gloo ranks; per rank, their results in order."""
+    out = tempfile.mkdtemp(dir=root)
+    mp.spawn(
+        _rank_main,
+        args=(world_size, free_port(), list(cases), str(root), out),
+        nprocs=world_size,
+        join=True,
+    )
+    return [
+        torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
+    ]
