@@ -96,17 +96,16 @@ class TieredTableOptions:
         max_live_rows: for a virtual table (``use_virtual_table=True``), the most ids it
             holds at once, over all its shards: its store's rows (a row-wise shard gets its
             share of the id space's). ``cache_load_factor`` is a fraction of these.
-        row_init: for a virtual table, what fills the row of an id trained for the first
-            time (an ``IdAddressedInit``); the sharded module sets it from the table's
-            ``init_fn``, or TorchRec's range seeded by id (see
-            :func:`~torchrec_mtrains.distributed.virtual_tables.row_init`).
+        virtual: for a virtual table, how its rows are made and evicted, which the sharded
+            module sets from the table's config (see
+            :class:`~torchrec_mtrains.distributed.virtual_tables.VirtualSpec`).
     """
 
     tier: Tier = Tier.BYTE_SCM
     cache_load_factor: float = 0.2
     cache_policy: str = DEFAULT_POLICY
     max_live_rows: int | None = None
-    row_init: Any = field(default=None, compare=False)
+    virtual: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier.parse(self.tier))

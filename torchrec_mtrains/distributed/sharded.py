@@ -54,7 +54,7 @@ from torchrec_mtrains.distributed.sharded_state import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
-from torchrec_mtrains.distributed.virtual_tables import is_virtual, with_row_inits
+from torchrec_mtrains.distributed.virtual_tables import is_virtual, with_virtual_specs
 from torchrec_mtrains.initializers import RowAddressedInit
 
 if TYPE_CHECKING:  # what the mixins below are combined with (Any to mypy)
@@ -293,8 +293,8 @@ class _TieredShardedMixin(_ShardedBase):
         return [c.name for c in self._configs() if is_virtual(c) and c.name in tiered]
 
     def _kernel_table_options(self) -> dict[str, TieredTableOptions]:
-        """Each tiered table's options for its kernel, a virtual table's with its initializer."""
-        return with_row_inits(tier_options_by_table(self.module_sharding_plan), self._configs())
+        """Each tiered table's options for its kernel, a virtual table's with its spec."""
+        return with_virtual_specs(tier_options_by_table(self.module_sharding_plan), self._configs())
 
     def tiered_groups(self) -> Iterator[TieredTableGroup]:
         """The tier/cache state of every tiered kernel on this rank (TorchRec hides lookups

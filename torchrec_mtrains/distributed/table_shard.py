@@ -8,13 +8,12 @@ for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from torchrec_mtrains.cache.id_map import VirtualRowMap
 from torchrec_mtrains.cache.table_cache import TableCache
-from torchrec_mtrains.distributed.virtual_tables import VirtualShard
+from torchrec_mtrains.distributed.virtual_rows import VirtualRows
 from torchrec_mtrains.tiers.base import RowStore
 
 
@@ -33,9 +32,8 @@ class TieredTableShard:
         row_offset: first global row of this shard (non-zero for row-wise sharding).
         col_offset: first global column (non-zero for column-wise sharding).
         created: whether the store was created now (and so needs initial values).
-        virtual: for a virtual table shard, its id space (its rows are then made on first use
-            and ``id_map`` says which store row holds each live id).
-        rows_made: rows a virtual shard has made since it was built.
+        virtual: for a virtual table shard, its live ids' rows (made on first use, evicted
+            by the table's policy).
     """
 
     name: str
@@ -48,9 +46,7 @@ class TieredTableShard:
     row_offset: int
     col_offset: int
     created: bool
-    virtual: VirtualShard | None = None
-    id_map: VirtualRowMap | None = field(default=None, repr=False)
-    rows_made: int = 0
+    virtual: VirtualRows | None = None
 
     @property
     def local_rows(self) -> int:
@@ -65,8 +61,6 @@ class TieredTableShard:
         out["cache_rows"] = float(self.cache.num_slots)
         out["pinned_rows"] = float(int(self.cache.pinned.sum()))
         out.update({f"tier_{k}": float(v) for k, v in self.store.stats.as_dict().items()})
-        if self.id_map is not None:
-            out["live_rows"] = float(len(self.id_map))
-            out["rows_made"] = float(self.rows_made)
-            out["max_live_rows"] = float(self.id_map.capacity)
+        if self.virtual is not None:
+            out.update(self.virtual.stats())
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
@@ -124,10 +124,12 @@ class TierIOWorker:
         self,
         pairs: list[tuple[TieredTableShard, CachePlan]],
         after: torch.cuda.Event | None = None,
+        fills: Sequence[tuple[TieredTableShard, torch.Tensor, torch.Tensor]] = (),
     ) -> torch.cuda.Event | None:
         """Carries out a batch's plans: every table's write-backs first, then every table's
         reads, so a failed read never strands another table's evicted dirty rows unwritten.
-        The reads of all tables are issued together (:func:`read_rows_together`).
+        The reads of all tables are issued together (:func:`read_rows_together`). Then
+        ``fills`` (shard, slots, tier rows) go into their slots: rows made, not read.
 
         On CUDA the copies run on this thread's current stream, after ``after`` (the slot
         release the plans rely on); returns the event that marks the rows in place."""
@@ -145,6 +147,8 @@ class TierIOWorker:
             read = read_rows_together([(sh.store, plan.load_ids.numpy()) for sh, plan in loads])
             for (shard, plan), rows in zip(loads, read):
                 self.scatter(shard, plan.load_slots, torch.from_numpy(rows))
+            for shard, slots, made in fills:
+                self.scatter(shard, slots, made)
         except BaseException:
             self.failed = True
             raise

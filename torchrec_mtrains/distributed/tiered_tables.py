@@ -14,6 +14,7 @@ beside it (:mod:`.table_shard`, :mod:`.tier_io`, :mod:`.checkpoint_views`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +28,6 @@ import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains._compat.torch_internals import tensor_version
-from torchrec_mtrains.cache.id_map import VirtualRowMap
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache, compile_kernels
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
@@ -39,6 +39,7 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
+from torchrec_mtrains.distributed.virtual_rows import VirtualRows
 from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
@@ -111,6 +112,9 @@ class _PlannedBatch:
     table_ids: list[torch.Tensor] = field(default_factory=list)
     inverses: list[torch.Tensor] = field(default_factory=list)
     plans: list[CachePlan] = field(default_factory=list)  # empty until planned
+    # Rows written into slots from an initializer, not read from the tier (a virtual table's
+    # new ids): (shard, slots, tier rows).
+    fills: list[tuple[TieredTableShard, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # The batch's ids with each tiered table's replaced by its slot (host memory, pinned when
     # the batch is on CUDA): what its forward hands fbgemm. None for a batch without ids.
     remapped: torch.Tensor | None = None
@@ -241,8 +245,7 @@ class TieredTableGroup:
                     row_offset=row_off,
                     col_offset=col_off,
                     created=created,
-                    virtual=space,
-                    id_map=None if space is None else VirtualRowMap(table.name, space.capacity),
+                    virtual=None if space is None else VirtualRows(table.name, space),
                 )
             )
             if space is not None and not created:
@@ -282,6 +285,7 @@ class TieredTableGroup:
         # Per shard, which rows a training batch made resident since the last
         # clear_changes() (None: not tracked). See track_changes().
         self._changed: list[torch.Tensor] | None = None
+        self._planned_batches = 0  # batches planned so far (virtual tables' eviction records)
 
     # --------------------------------------------------------------------------- per batch
 
@@ -299,7 +303,7 @@ class TieredTableGroup:
             t_ids = torch.cat([segments[f] for f in features]) if features else ids[:0]
             if t_ids.numel():
                 lo, hi = int(t_ids.min()), int(t_ids.max())
-                space = shard.virtual
+                space = None if shard.virtual is None else shard.virtual.space
                 rows, offset = (
                     (shard.local_rows, shard.row_offset)
                     if space is None
@@ -355,8 +359,9 @@ class TieredTableGroup:
             for index, ids in self._hot_rows.items():
                 self._pin(index, ids, inline=True)
         uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
+        self._planned_batches += 1
         made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        if any(shard.id_map is not None for shard in self.shards):
+        if any(shard.virtual is not None for shard in self.shards):
             uniques, made = self._assign_rows(batch, uniques)
         with self._cache_lock:
             # Every table must fit before any is planned: planning updates a cache's maps.
@@ -370,6 +375,8 @@ class TieredTableGroup:
             for shard, plan in zip(self.shards, plans):
                 shard.cache.hold(plan.slots)
             batch.after_release = self._released
+            if made:
+                plans = self._fill_made_rows(batch, plans, made)
         batch.inverses = [inverse for _, inverse in uniques]
         batch.plans = plans
         batch.remapped = self._remapped(batch)
@@ -383,56 +390,64 @@ class TieredTableGroup:
     ) -> tuple[
         list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor]]
     ]:
-        """Turns each virtual shard's unique ids into its store rows, giving new ids rows
-        filled with their initial values (weights from the shard's initializer, optimizer
-        state zero) on the tier; ``batch.table_ids`` become rows too. Returns the rows and,
-        per shard that made rows, the new ids and their rows (for :meth:`_unassign_rows`).
-        A shard without room for its new ids refuses the batch, changing nothing."""
+        """Turns each virtual shard's unique ids into its store rows (see
+        :meth:`VirtualRows.assign`); ``batch.table_ids`` become rows too. Returns the rows and,
+        per shard that made rows, the positions of its new ids and the ids. A shard without
+        room for its new ids refuses the batch, with nothing assigned on any shard."""
         out = list(uniques)
         made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         try:
             for index, shard in enumerate(self.shards):
-                if shard.id_map is None:
+                if shard.virtual is None:
                     continue
                 uniq, inverse = uniques[index]
-                assigned, new = shard.id_map.assign(uniq.numpy())
-                rows_t = torch.from_numpy(assigned)
-                if new.size:
-                    new_t = torch.from_numpy(new)
-                    made.append((index, uniq[new_t], rows_t[new_t]))
-                    shard.rows_made += int(new.size)
-                out[index] = (rows_t, inverse)
+                rows, new = shard.virtual.assign(
+                    uniq, shard.cache, shard.store, shard.weight_slots, self._planned_batches
+                )
+                if new.numel():
+                    made.append((index, new, uniq[new]))
+                out[index] = (rows, inverse)
         except BaseException:
             self._unassign_rows(made)
             raise
-        for index, ids, new_rows in made:
-            shard = self.shards[index]
-            assert shard.virtual is not None
-            self._write_new_rows(shard, ids + shard.virtual.id_offset, new_rows)
         for index, shard in enumerate(self.shards):
-            if shard.id_map is not None:
-                rows_t, inverse = out[index]
-                batch.table_ids[index] = rows_t[inverse]
+            if shard.virtual is not None:
+                rows, inverse = out[index]
+                batch.table_ids[index] = rows[inverse]
         return out, made
 
     def _unassign_rows(self, made: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        for index, ids, _ in made:
-            id_map = self.shards[index].id_map
-            assert id_map is not None
-            id_map.remove(ids.numpy())
-            self.shards[index].rows_made -= int(ids.numel())
+        for index, _, ids in made:
+            virtual = self.shards[index].virtual
+            assert virtual is not None
+            virtual.unassign(ids)
 
-    @staticmethod
-    def _write_new_rows(shard: TieredTableShard, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Writes the initial rows of the table's ``ids`` to the store ``rows``."""
-        assert shard.virtual is not None
-        layout = shard.store.layout
-        order = torch.argsort(rows)  # ascending rows: sequential where they run on
-        data = torch.zeros(int(ids.numel()), layout.row_width, dtype=torch.float32)
-        weights = torch.empty(int(ids.numel()), layout.dim, dtype=layout.dtype.torch_dtype)
-        shard.virtual.init.fill_ids(weights, ids[order], shard.col_offset)
-        data[:, : layout.dim] = weights.to(torch.float32)
-        shard.store.write_rows(rows[order].numpy(), data.numpy())
+    def _fill_made_rows(
+        self,
+        batch: _PlannedBatch,
+        plans: list[CachePlan],
+        made: list[tuple[int, torch.Tensor, torch.Tensor]],
+    ) -> list[CachePlan]:
+        """New ids' rows go into their slots from their initializer, not from the tier: they
+        leave the plans' loads, join ``batch.fills`` and are marked dirty (so the tier gets
+        them when the cache writes them back). Called with the cache lock held."""
+        plans = list(plans)
+        for index, new, ids in made:
+            shard, plan = self.shards[index], plans[index]
+            virtual = shard.virtual
+            assert virtual is not None
+            slots = plan.slots[new]
+            layout = shard.store.layout
+            rows = virtual.initial_rows(
+                ids, layout.row_width, layout.dim, shard.col_offset, layout.dtype.torch_dtype
+            )
+            keep = ~torch.isin(plan.load_slots, slots)
+            plans[index] = dataclasses.replace(
+                plan, load_ids=plan.load_ids[keep], load_slots=plan.load_slots[keep]
+            )
+            shard.cache.mark_dirty(slots)
+            batch.fills.append((shard, slots, rows))
+        return plans
 
     @staticmethod
     def _remapped(batch: _PlannedBatch) -> torch.Tensor | None:
@@ -469,7 +484,7 @@ class TieredTableGroup:
 
     def _move_batch_rows(self, batch: _PlannedBatch) -> None:
         batch.rows_ready = self.io.move_rows(
-            list(zip(self.shards, batch.plans)), batch.after_release
+            list(zip(self.shards, batch.plans)), batch.after_release, batch.fills
         )
 
     def _check_no_reported_error(self) -> None:

@@ -20,9 +20,9 @@ first trained, filled by an :class:`~torchrec_mtrains.initializers.IdAddressedIn
 global id, its optimizer state zeroed. So a virtual table whose ids stay below ``N`` trains
 exactly as a FUSED table of ``N`` rows filled by the same initializer.
 
-Built: table-wise and row-wise sharding, every tier and layout, EBC and EC, no eviction
-(``virtual_table_eviction_policy`` unset or ``NoEvictionPolicy``). Not yet: eviction policies,
-checkpoints of virtual tables (``state_dict()`` refuses them, naming the table, rather than
+Eviction follows the table's ``virtual_table_eviction_policy`` (see
+:mod:`~torchrec_mtrains.distributed.virtual_eviction`). Built: table-wise and row-wise
+sharding, every tier and layout, EBC and EC. Not yet: checkpoints of virtual tables (``state_dict()`` refuses them, naming the table, rather than
 leave them out), planning them with the tiered planner.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig, ShardedEmbeddingTable
 from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, NoEvictionPolicy
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_mtrains._compat.torch_internals import ShardedTensorMetadata, ShardMetadata
 from torchrec_mtrains.distributed.grouping import is_tiered
@@ -45,6 +45,7 @@ from torchrec_mtrains.distributed.options import (
     TieredParameterSharding,
     TieredTableOptions,
 )
+from torchrec_mtrains.distributed.virtual_eviction import EvictionRule
 from torchrec_mtrains.initializers import IdAddressedInit, IdSeededUniform
 
 MAX_VIRTUAL_ROWS = 2**50
@@ -108,13 +109,7 @@ def check_virtual_tables(
             )
         if ps.sharding_type == ShardingType.ROW_WISE.value:
             _check_buckets(config, ps)
-        policy = getattr(config, "virtual_table_eviction_policy", None)
-        if policy is not None and not isinstance(policy, NoEvictionPolicy):
-            raise VirtualTableError(
-                f"virtual table {name!r}: virtual_table_eviction_policy="
-                f"{type(policy).__name__} is not supported yet; leave it unset or use "
-                "NoEvictionPolicy (the table then refuses a batch past its max_live_rows)"
-            )
+        EvictionRule.from_policy(name, getattr(config, "virtual_table_eviction_policy", None))
         if hot_rows and name in hot_rows:
             raise VirtualTableError(
                 f"virtual table {name!r}: hot_rows cannot pin rows of a virtual table (its ids "
@@ -168,6 +163,20 @@ def shard_capacity(max_live_rows: int, shard_rows: int, num_embeddings: int) -> 
 
 
 @dataclass(frozen=True)
+class VirtualSpec:
+    """What a virtual table's config says of its rows, for its kernels (TorchRec hands them
+    neither the ``init_fn`` nor, table-wise, the eviction policy)."""
+
+    init: IdAddressedInit
+    eviction: EvictionRule
+
+    @classmethod
+    def of(cls, config: BaseEmbeddingConfig) -> VirtualSpec:
+        policy = getattr(config, "virtual_table_eviction_policy", None)
+        return cls(row_init(config), EvictionRule.from_policy(config.name, policy))
+
+
+@dataclass(frozen=True)
 class VirtualShard:
     """The id space of one virtual table shard, beside its store.
 
@@ -176,13 +185,13 @@ class VirtualShard:
             ``[0, ids)`` here, ``[id_offset, id_offset + ids)`` in the table.
         id_offset: the table's id of the shard's id 0 (row-wise: the shard's first bucket).
         capacity: rows of the shard's store, the most ids live at once.
-        init: fills the rows of new ids (given their ids in the table).
+        spec: how rows are made and evicted.
     """
 
     ids: int
     id_offset: int
     capacity: int
-    init: IdAddressedInit
+    spec: VirtualSpec
 
 
 def _physical_md(md: ShardMetadata, row_offset: int, rows: int) -> ShardMetadata:
@@ -193,7 +202,7 @@ def _physical_md(md: ShardMetadata, row_offset: int, rows: int) -> ShardMetadata
 
 
 def physical_table(
-    table: ShardedEmbeddingTable, max_live_rows: int
+    table: ShardedEmbeddingTable, max_live_rows: int, spec: VirtualSpec
 ) -> tuple[ShardedEmbeddingTable, VirtualShard]:
     """``table`` (a virtual table shard) on its store's extent, and its id space.
 
@@ -224,10 +233,7 @@ def physical_table(
         tensor_properties=global_md.tensor_properties,
     )
     shard = VirtualShard(
-        ids=int(local.shard_sizes[0]),
-        id_offset=first,
-        capacity=capacity,
-        init=IdSeededUniform(0, 1),  # replaced by the caller with the table's initializer
+        ids=int(local.shard_sizes[0]), id_offset=first, capacity=capacity, spec=spec
     )
     return (
         dataclasses.replace(
@@ -248,16 +254,15 @@ def _resized(size: Any, rows: int) -> Any:
     return type(size)(dims)
 
 
-def with_row_inits(
+def with_virtual_specs(
     options: Mapping[str, TieredTableOptions], configs: Iterable[BaseEmbeddingConfig]
 ) -> dict[str, TieredTableOptions]:
-    """``options`` with each virtual table's :func:`row_init` (TorchRec does not hand a
-    table's ``init_fn`` to its kernels)."""
+    """``options`` with each virtual table's :class:`VirtualSpec`, from its config."""
     out = dict(options)
     for config in configs:
         placed = out.get(config.name)
-        if is_virtual(config) and placed is not None and placed.row_init is None:
-            out[config.name] = dataclasses.replace(placed, row_init=row_init(config))
+        if is_virtual(config) and placed is not None:
+            out[config.name] = dataclasses.replace(placed, virtual=VirtualSpec.of(config))
     return out
 
 
@@ -275,9 +280,10 @@ def physical_config(
             continue
         if placed.max_live_rows is None:
             raise VirtualTableError(f"virtual table {table.name!r}: set {OPTION}")
-        physical, space = physical_table(table, placed.max_live_rows)
-        init = placed.row_init or IdSeededUniform.for_config(table)
-        spaces[table.name] = dataclasses.replace(space, init=init)
+        spec = placed.virtual
+        if spec is None:  # options built without the sharded module: the config's defaults
+            spec = VirtualSpec(IdSeededUniform.for_config(table), EvictionRule())
+        physical, spaces[table.name] = physical_table(table, placed.max_live_rows, spec)
         tables.append(physical)
     if not spaces:
         return config, spaces

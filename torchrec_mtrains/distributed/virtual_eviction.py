@@ -1,0 +1,187 @@
+"""Eviction of a virtual table's ids, as TorchRec's policy objects configure it.
+
+TorchRec 1.8's ``virtual_table_eviction_policy`` objects say *which* ids go; its CUDA backend
+scans the live ids in rounds. The same rules here, per table shard:
+
+* ``CountBasedEvictionPolicy``: each batch that trains an id adds one to its count; a round
+  multiplies every live id's count by ``decay_rate`` and evicts those below
+  ``eviction_threshold`` (0: never);
+* ``TimestampBasedEvictionPolicy``: a round evicts ids last trained more than
+  ``eviction_ttl_mins`` ago (0: never);
+* ``CountTimestampMixedEvictionPolicy``: both at once: the TTL has passed *and* the decayed
+  count is below the threshold (either 0: never);
+* ``FeatureL2NormBasedEvictionPolicy``: ids whose weights' L2 norm is below
+  ``eviction_threshold`` (0: never);
+* ``NoEvictionPolicy`` (or none): never.
+
+A round runs before a batch's new ids get rows, when the shard holds more than the policy's
+``training_id_eviction_trigger_count`` ids (when that is set) or when the batch's new ids would
+not fit its ``max_live_rows``. It never evicts the batch's own ids, nor rows a batch in flight
+holds (prefetched by the look-ahead pipeline, or between its forward and backward). An evicted
+id's row is free for the next new id; trained again, the id is a new row (initial values,
+optimizer state zero). ``FeatureScoreBasedEvictionPolicy`` needs scores TorchRec's CUDA
+kernels collect and is refused.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from torchrec.modules.embedding_configs import (
+    CountBasedEvictionPolicy,
+    CountTimestampMixedEvictionPolicy,
+    FeatureL2NormBasedEvictionPolicy,
+    NoEvictionPolicy,
+    TimestampBasedEvictionPolicy,
+)
+
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
+
+Clock = Callable[[], float]
+"""Seconds, for TTLs; ``time.time`` unless a test gives another."""
+
+
+class EvictionKind(str, enum.Enum):
+    NONE = "none"
+    COUNT = "count"
+    TTL = "ttl"
+    MIXED = "mixed"
+    L2 = "l2"
+
+
+class UnsupportedEvictionPolicy(ValueError):
+    """A virtual table names an eviction policy the tiers do not run."""
+
+
+@dataclass(frozen=True)
+class EvictionRule:
+    """One table's eviction rule, read from TorchRec's policy object (see the module doc)."""
+
+    kind: EvictionKind = EvictionKind.NONE
+    trigger_count: int = 0
+    threshold: float = 0.0
+    decay_rate: float = 1.0
+    ttl_seconds: float = 0.0
+
+    @classmethod
+    def from_policy(cls, table: str, policy: Any) -> EvictionRule:
+        if policy is None or isinstance(policy, NoEvictionPolicy):
+            return cls()
+        trigger = int(getattr(policy, "training_id_eviction_trigger_count", 0) or 0)
+        if isinstance(policy, CountBasedEvictionPolicy):
+            rule = cls(
+                EvictionKind.COUNT,
+                trigger,
+                threshold=float(policy.eviction_threshold),
+                decay_rate=float(policy.decay_rate),
+            )
+        elif isinstance(policy, CountTimestampMixedEvictionPolicy):
+            rule = cls(
+                EvictionKind.MIXED,
+                trigger,
+                threshold=float(policy.eviction_threshold),
+                decay_rate=float(policy.decay_rate),
+                ttl_seconds=60.0 * policy.eviction_ttl_mins,
+            )
+        elif isinstance(policy, TimestampBasedEvictionPolicy):
+            rule = cls(EvictionKind.TTL, trigger, ttl_seconds=60.0 * policy.eviction_ttl_mins)
+        elif isinstance(policy, FeatureL2NormBasedEvictionPolicy):
+            rule = cls(EvictionKind.L2, trigger, threshold=float(policy.eviction_threshold))
+        else:
+            raise UnsupportedEvictionPolicy(
+                f"virtual table {table!r}: virtual_table_eviction_policy="
+                f"{type(policy).__name__} is not supported on the tiers; use "
+                "CountBasedEvictionPolicy, TimestampBasedEvictionPolicy, "
+                "CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy or "
+                "NoEvictionPolicy"
+            )
+        if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED) and not 0 < rule.decay_rate <= 1:
+            raise UnsupportedEvictionPolicy(
+                f"virtual table {table!r}: decay_rate={rule.decay_rate} must be in (0, 1]"
+            )
+        if rule.threshold < 0 or rule.ttl_seconds < 0 or rule.trigger_count < 0:
+            raise UnsupportedEvictionPolicy(
+                f"virtual table {table!r}: eviction_threshold, eviction_ttl_mins and "
+                "training_id_eviction_trigger_count must not be negative"
+            )
+        return rule
+
+    @property
+    def evicts(self) -> bool:
+        if self.kind is EvictionKind.NONE:
+            return False
+        if self.kind is EvictionKind.TTL:
+            return self.ttl_seconds > 0
+        if self.kind is EvictionKind.MIXED:
+            return self.ttl_seconds > 0 and self.threshold > 0
+        return self.threshold > 0
+
+
+class ShardEviction:
+    """The statistics one virtual table shard keeps per store row, and its rounds.
+
+    Args:
+        rule: the table's rule.
+        capacity: the shard's store rows.
+        clock: seconds for TTLs.
+    """
+
+    def __init__(self, rule: EvictionRule, capacity: int, clock: Clock = time.time) -> None:
+        self.rule = rule
+        self.clock = clock
+        self.count = np.zeros(capacity, dtype=np.float64)
+        self.last_used = np.zeros(capacity, dtype=np.float64)
+        self.rounds = 0
+        self.evicted = 0
+
+    def touch(self, rows: I64) -> None:
+        """The batch about to train ``rows`` (unique): one more use each, used now."""
+        self.count[rows] += 1.0
+        self.last_used[rows] = self.clock()
+
+    def made(self, rows: I64) -> None:
+        """``rows`` hold new ids: their statistics start over."""
+        self.count[rows] = 0.0
+        self.last_used[rows] = self.clock()
+
+    def due(self, live: int, new: int, capacity: int) -> bool:
+        """Whether a round runs before a batch bringing ``new`` ids to ``live`` ones."""
+        if not self.rule.evicts:
+            return False
+        over_trigger = 0 < self.rule.trigger_count < live
+        return over_trigger or live + new > capacity
+
+    def select(
+        self, live: I64, may_go: npt.NDArray[np.bool_], l2_norms: Callable[[I64], F64]
+    ) -> I64:
+        """One round over the ``live`` rows: every count decays, then the rows the rule
+        evicts among those that ``may_go`` are returned."""
+        self.rounds += 1
+        rule = self.rule
+        if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED):
+            self.count[live] *= rule.decay_rate
+        rows = live[may_go]
+        go = self._goes(rows, l2_norms)
+        self.evicted += int(go.sum())
+        return rows[go]
+
+    def _goes(self, rows: I64, l2_norms: Callable[[I64], F64]) -> npt.NDArray[np.bool_]:
+        rule = self.rule
+        low_count = self.count[rows] < rule.threshold
+        expired = self.clock() - self.last_used[rows] > rule.ttl_seconds
+        if rule.kind is EvictionKind.COUNT:
+            return low_count
+        if rule.kind is EvictionKind.TTL:
+            return expired
+        if rule.kind is EvictionKind.MIXED:
+            return low_count & expired
+        if rule.kind is EvictionKind.L2:
+            return l2_norms(rows) < rule.threshold
+        return np.zeros(rows.shape, dtype=np.bool_)

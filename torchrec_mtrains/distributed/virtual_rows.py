@@ -1,0 +1,161 @@
+"""The rows of one virtual table shard: which store row each live id holds, which ids are made
+and which are evicted, batch by batch.
+
+:class:`~torchrec_mtrains.distributed.tiered_tables.TieredTableGroup` calls
+:meth:`VirtualRows.assign` while it plans a batch (on the tier-I/O worker, in batch order):
+ids become store rows, after an eviction round when one is due (see
+:mod:`~torchrec_mtrains.distributed.virtual_eviction`). A new id's row is never read from the
+tier: the group writes its initial values (:meth:`initial_rows`) straight into its cache slot,
+marked dirty, so it reaches the tier when the cache writes it back. An evicted id's row keeps
+whatever the cache or the tier held until a new id takes it and is filled the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from torchrec_mtrains.cache.id_map import NO_ROW, VirtualRowMap
+from torchrec_mtrains.cache.table_cache import TableCache
+from torchrec_mtrains.distributed.virtual_eviction import Clock, ShardEviction
+from torchrec_mtrains.distributed.virtual_tables import OPTION, VirtualShard
+from torchrec_mtrains.tiers.base import RowStore
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass
+class EvictionRecord:
+    """Ids one round evicted (global ids), and the batch it ran for (the group's count of
+    planned batches, from 1)."""
+
+    batch: int
+    ids: I64
+
+
+@dataclass
+class VirtualRows:
+    """Live ids, new rows and evictions of one virtual table shard.
+
+    Args:
+        name: the table's name.
+        space: its id space and spec.
+        clock: seconds, for TTL eviction.
+    """
+
+    name: str
+    space: VirtualShard
+    clock: Clock | None = None
+    rows_made: int = 0
+    history: list[EvictionRecord] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.id_map = VirtualRowMap(self.name, self.space.capacity)
+        kwargs = {} if self.clock is None else {"clock": self.clock}
+        self.eviction = ShardEviction(self.space.spec.eviction, self.space.capacity, **kwargs)
+
+    def record_evictions(self) -> None:
+        """Keeps every round's evicted ids in :attr:`history` from now on (tests, tools)."""
+        if self.history is None:
+            self.history = []
+
+    def assign(
+        self,
+        ids: torch.Tensor,
+        cache: TableCache,
+        store: RowStore,
+        weight_slots: torch.Tensor,
+        batch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store rows of a batch's unique ``ids`` (shard-local ids), giving new ids free
+        rows, after an eviction round when one is due. Returns the rows and the positions in
+        ``ids`` of the new ones. Refuses, with nothing assigned, a batch whose new ids do not
+        fit even after the round."""
+        ids_np = ids.numpy()
+        rows = self.id_map.lookup(ids_np)
+        known = rows != NO_ROW
+        new = int((~known).sum())
+        if self.eviction.due(len(self.id_map), new, self.space.capacity):
+            self._evict_round(rows[known], cache, store, weight_slots, batch)
+        assigned, made = self.id_map.assign(ids_np, OPTION)
+        self.eviction.touch(assigned[known])
+        if made.size:
+            self.eviction.made(assigned[made])
+            self.rows_made += int(made.size)
+        return torch.from_numpy(assigned), torch.from_numpy(made)
+
+    def unassign(self, ids: torch.Tensor) -> None:
+        """Takes back the rows :meth:`assign` just gave ``ids`` (a batch refused later)."""
+        self.id_map.remove(ids.numpy())
+        self.rows_made -= int(ids.numel())
+
+    def _evict_round(
+        self,
+        keep: I64,
+        cache: TableCache,
+        store: RowStore,
+        weight_slots: torch.Tensor,
+        batch: int,
+    ) -> None:
+        _, live_rows = self.id_map.live()
+        may_go = ~np.isin(live_rows, keep)
+        slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
+        cached = slots >= 0
+        held = np.zeros_like(may_go)
+        reserved = (cache.holds > 0) | cache.pinned
+        held[cached] = reserved[torch.from_numpy(slots[cached])].numpy()
+        may_go &= ~held
+
+        def l2_norms(rows: I64) -> npt.NDArray[np.float64]:
+            return self._l2_norms(rows, cache, store, weight_slots)
+
+        gone = self.eviction.select(live_rows, may_go, l2_norms)
+        if not gone.size:
+            return
+        gone_ids = self.id_map.row_ids[gone].copy()
+        self.id_map.remove(gone_ids)
+        if self.history is not None:
+            self.history.append(EvictionRecord(batch, gone_ids + self.space.id_offset))
+
+    @staticmethod
+    def _l2_norms(
+        rows: I64, cache: TableCache, store: RowStore, weight_slots: torch.Tensor
+    ) -> npt.NDArray[np.float64]:
+        """The weights' L2 norm of ``rows``: from the cache where it holds them (newer than
+        the tier), from the tier otherwise. (A row-wise or table-wise shard holds all the
+        table's columns: the norm is the row's.)"""
+        dim = store.layout.dim
+        out = np.empty(rows.shape, dtype=np.float64)
+        slots = cache.lookup(torch.from_numpy(rows))
+        cached = (slots >= 0).numpy()
+        if (~cached).any():
+            weights = store.read_rows(rows[~cached])[:, :dim].astype(np.float64)
+            out[~cached] = np.sqrt((weights * weights).sum(axis=1))
+        if cached.any():
+            held = slots[torch.from_numpy(cached)].to(weight_slots.device)
+            weights_t = weight_slots.index_select(0, held).to("cpu", torch.float64)
+            out[cached] = weights_t.norm(dim=1).numpy()
+        return out
+
+    def initial_rows(
+        self, ids: torch.Tensor, row_width: int, dim: int, col_offset: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Tier rows (float32: weights, then optimizer state zero) of new shard-local
+        ``ids``: the initializer's values at their ids in the table, at the weights' type."""
+        rows = torch.zeros(int(ids.numel()), row_width, dtype=torch.float32)
+        weights = torch.empty(int(ids.numel()), dim, dtype=dtype)
+        self.space.spec.init.fill_ids(weights, ids + self.space.id_offset, col_offset)
+        rows[:, :dim] = weights.to(torch.float32)
+        return rows
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "live_rows": float(len(self.id_map)),
+            "max_live_rows": float(self.space.capacity),
+            "rows_made": float(self.rows_made),
+            "rows_evicted": float(self.eviction.evicted),
+            "eviction_rounds": float(self.eviction.rounds),
+        }
