@@ -27,7 +27,7 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
-from torchrec_mtrains.initializers import BLOCK_ROWS, RowSeededUniform
+from torchrec_mtrains.initializers import BLOCK_ROWS, IdSeededUniform, RowSeededUniform
 
 ROWS = {"t_a": 3 * BLOCK_ROWS + 17, "t_b": 300}
 DIM = 16
@@ -131,3 +131,38 @@ def test_fused_and_tiered_models_start_from_the_same_weights(
     for name in ROWS:
         assert not torch.isnan(fused[name]).any()
         assert torch.equal(fused[name], tiered[name]), name
+
+
+def test_id_seeded_rows_depend_on_the_id_alone() -> None:
+    init = IdSeededUniform(seed=5, dim=6, low=-0.5, high=0.25)
+    whole = torch.empty(50, 6)
+    init.fill(whole, 1000)
+    # any order, any subset, any column range, fp16: the same values
+    ids = torch.tensor([1049, 1000, 1017])
+    some = torch.empty(3, 6)
+    init.fill_ids(some, ids)
+    assert torch.equal(some, whole[ids - 1000])
+    cols = torch.empty(3, 2)
+    init.fill_ids(cols, ids, first_col=4)
+    assert torch.equal(cols, whole[ids - 1000, 4:])
+    half = torch.empty(3, 6, dtype=torch.float16)
+    init.fill_ids(half, ids)
+    assert torch.equal(half, whole[ids - 1000].half())
+    assert float(whole.min()) >= -0.5 and float(whole.max()) < 0.25
+    # ids from a 2**50 space, another seed: other values
+    far = torch.empty(2, 6)
+    init.fill_ids(far, torch.tensor([2**50 - 1, 1000]))
+    assert torch.equal(far[1], whole[0]) and not torch.equal(far[0], far[1])
+    other = torch.empty(1, 6)
+    IdSeededUniform(seed=6, dim=6, low=-0.5, high=0.25).fill(other, 1000)
+    assert not torch.equal(other[0], whole[0])
+
+
+def test_id_seeded_init_takes_torchrecs_range_and_skips_meta_and_empty_weights() -> None:
+    config = EmbeddingBagConfig(
+        name="t_v", num_embeddings=2**40, embedding_dim=4, feature_names=["f"]
+    )
+    init = IdSeededUniform.for_config(config)
+    assert init.high == pytest.approx(2**-20) and init.low == -init.high
+    assert init(torch.empty(2**40, 4, device="meta")).is_meta
+    assert init(torch.empty(0)).numel() == 0

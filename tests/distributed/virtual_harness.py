@@ -29,12 +29,20 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import (
+    CountBasedEvictionPolicy,
+    CountTimestampMixedEvictionPolicy,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    FeatureL2NormBasedEvictionPolicy,
+    TimestampBasedEvictionPolicy,
+)
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -50,6 +58,7 @@ from torchrec_mtrains.distributed.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,
 )
+from torchrec_mtrains.distributed.virtual_rows import VirtualRows
 from torchrec_mtrains.distributed.virtual_tables import bucket_rows
 from torchrec_mtrains.initializers import IdSeededUniform
 from torchrec_mtrains.pipeline import tier_stats
@@ -79,6 +88,9 @@ class VirtualCase:
     policy: str = "lfu"
     steps: int = 12
     seed: int = 0
+    # none | count | ttl | mixed | l2, with TorchRec's trigger count (0: only when full)
+    eviction: str = "none"
+    trigger: int = 0
 
     @property
     def id(self) -> str:
@@ -94,11 +106,50 @@ def virtual_id(case: VirtualCase, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < half_rows, rows, rows - half_rows + rank1_first)
 
 
+def reference_row(case: VirtualCase, ids: torch.Tensor) -> torch.Tensor:
+    """The reference row standing for each virtual id (the inverse of :func:`virtual_id`)."""
+    if case.sharding == "tw":
+        return ids
+    rank1_first = bucket_rows(case.num_embeddings, case.buckets, 2)[0]
+    return torch.where(ids < rank1_first, ids, ids - rank1_first + REF_ROWS // 2)
+
+
+STEP_SECONDS = 60.0  # the virtual model's clock advances a minute a step (TTLs in minutes)
+
+
+def eviction_policy(case: VirtualCase) -> Any:
+    trigger = case.trigger
+    if case.eviction == "count":
+        return CountBasedEvictionPolicy(
+            training_id_eviction_trigger_count=trigger, eviction_threshold=1, decay_rate=0.6
+        )
+    if case.eviction == "ttl":
+        return TimestampBasedEvictionPolicy(
+            training_id_eviction_trigger_count=trigger, eviction_ttl_mins=2
+        )
+    if case.eviction == "mixed":
+        return CountTimestampMixedEvictionPolicy(
+            training_id_eviction_trigger_count=trigger,
+            eviction_threshold=2,
+            decay_rate=0.8,
+            eviction_ttl_mins=1,
+        )
+    if case.eviction == "l2":
+        return FeatureL2NormBasedEvictionPolicy(
+            training_id_eviction_trigger_count=trigger, eviction_threshold=0.09
+        )
+    return None
+
+
 def _configs(case: VirtualCase, virtual: bool) -> list[Any]:
     cls = EmbeddingBagConfig if case.kind == "ebc" else EmbeddingConfig
     extra: dict[str, Any] = {"init_fn": IdSeededUniform(seed=7, dim=DIM, low=-0.05, high=0.05)}
     if virtual:
-        extra.update(use_virtual_table=True, total_num_buckets=case.buckets)
+        extra.update(
+            use_virtual_table=True,
+            total_num_buckets=case.buckets,
+            virtual_table_eviction_policy=eviction_policy(case),
+        )
     return [
         cls(
             name=VIRTUAL,
@@ -126,9 +177,7 @@ def make_module(case: VirtualCase, virtual: bool) -> nn.Module:
     return EmbeddingCollection(tables=_configs(case, virtual), device=meta)
 
 
-def build_model(
-    case: VirtualCase, world_size: int, root: Path | None
-) -> DistributedModelParallel:
+def build_model(case: VirtualCase, world_size: int, root: Path | None) -> DistributedModelParallel:
     """The virtual model (tier files under ``root``) or, without ``root``, the reference."""
     fp = {"optimizer": OPTIMIZERS[case.optimizer], "learning_rate": LEARNING_RATE}
     sharder: ModuleSharder[nn.Module]
@@ -185,6 +234,41 @@ def fill_reference(case: VirtualCase, ref: DistributedModelParallel) -> None:
         init.fill_ids(shard.tensor, virtual_id(case, rows))
 
 
+@torch.no_grad()
+def reset_reference_rows(
+    case: VirtualCase, ref: DistributedModelParallel, ids: torch.Tensor
+) -> None:
+    """The reference's side of an eviction: the rows of ``ids`` back to their initial values,
+    their optimizer state zero (what the virtual table does to an evicted id trained again)."""
+    rows = reference_row(case, ids)
+    init = _configs(case, virtual=True)[0].init_fn
+    prefix = "embedding_bags" if case.kind == "ebc" else "embeddings"
+    key = f"{prefix}.{VIRTUAL}.weight"
+    for shard in ref.state_dict()[key].local_shards():
+        first, count = int(shard.metadata.shard_offsets[0]), int(shard.tensor.shape[0])
+        mine = rows[(rows >= first) & (rows < first + count)]
+        values = torch.empty(int(mine.numel()), DIM)
+        init.fill_ids(values, virtual_id(case, mine))
+        shard.tensor[mine - first] = values.to(shard.tensor.dtype)
+    for value in ref.fused_optimizer.state_dict()["state"][key].values():
+        if not isinstance(value, ShardedTensor):
+            continue
+        for shard in value.local_shards():
+            first, count = int(shard.metadata.shard_offsets[0]), int(shard.tensor.shape[0])
+            mine = rows[(rows >= first) & (rows < first + count)]
+            shard.tensor[mine - first] = 0
+
+
+def virtual_shards(model: nn.Module) -> list[VirtualRows]:
+    """This rank's virtual table shards of ``model``."""
+    out: list[VirtualRows] = []
+    for module in model.modules():
+        groups = getattr(module, "tiered_groups", None)
+        if callable(groups) and not isinstance(module, DistributedModelParallel):
+            out.extend(s.virtual for g in groups() for s in g.shards if s.virtual is not None)
+    return out
+
+
 def batch(case: VirtualCase, rank: int, step: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
     """This rank's batch of ``step``: over reference rows, and over the virtual ids."""
     g = torch.Generator().manual_seed(case.seed * 100_003 + step * 101 + rank)
@@ -227,20 +311,34 @@ class VirtualResult:
         return d
 
 
-def run_case(case: VirtualCase, rank: int, world_size: int, root: Path) -> VirtualResult:
+def run_case(
+    case: VirtualCase, rank: int, world_size: int, root: Path, reset_reference: bool = True
+) -> VirtualResult:
     ref = build_model(case, world_size, None)
     fill_reference(case, ref)
     tie = build_model(case, world_size, root)
+    shards = virtual_shards(tie)
+    clock = [0.0]
+    for shard in shards:
+        shard.record_evictions()
+        shard.eviction.clock = lambda: clock[0]
     mismatched, largest = None, 0.0
     for step in range(case.steps):
+        clock[0] = step * STEP_SECONDS
         ref_batch, virt_batch = batch(case, rank, step)
-        a, b = outputs(case, ref(ref_batch)), outputs(case, tie(virt_batch))
+        b = outputs(case, tie(virt_batch))
+        for shard in shards if reset_reference else ():
+            assert shard.history is not None
+            for record in shard.history:
+                if record.batch == step + 1:
+                    reset_reference_rows(case, ref, torch.from_numpy(record.ids))
+        a = outputs(case, ref(ref_batch))
         if not torch.equal(a, b):
-            largest = max(largest, float((a - b).abs().max()))
+            largest = max(largest, float((a - b).detach().abs().max()))
             mismatched = step if mismatched is None else mismatched
         a.square().sum().backward()
         b.square().sum().backward()
-    stats = {k: v for k, v in tier_stats(tie).items()}
+    stats = dict(tier_stats(tie).items())
     return VirtualResult(case, rank, mismatched, largest, stats)
 
 
