@@ -91,6 +91,7 @@ class VirtualCase:
     # none | count | ttl | mixed | l2, with TorchRec's trigger count (0: only when full)
     eviction: str = "none"
     trigger: int = 0
+    world_size: int = 1  # where a sweep runs it (run_case takes the world it is in)
 
     @property
     def id(self) -> str:

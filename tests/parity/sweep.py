@@ -742,7 +742,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1 or 1,2")
     parser.add_argument("--case", action="append", help="run this case line (repeatable)")
     parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
+    parser.add_argument(
+        "--virtual",
+        action="store_true",
+        help="draw virtual-table cases (tests.parity.virtual_sweep)",
+    )
     args = parser.parse_args(argv)
+    if args.virtual:
+        return _main_virtual(args.sweep, args.seed, args.dir)
     if args.case:
         cases = [SweepCase.from_line(line) for line in args.case]
     else:
@@ -757,6 +764,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary, failures = report(outcomes)
+    for failure in failures:
+        print(failure)
+    print(f"{summary}; {time.perf_counter() - started:.0f} s")
+    return 1 if failures else 0
+
+
+def _main_virtual(count: int, seed: int, directory: str | None) -> int:
+    from tests.parity.virtual_sweep import draw_virtual_cases, run_virtual, virtual_report
+
+    root = Path(tempfile.mkdtemp(prefix="vsweep-", dir=directory))
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        with process_group(backend="gloo"):
+            outcomes = run_virtual(draw_virtual_cases(count, seed), root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary, failures = virtual_report(outcomes)
     for failure in failures:
         print(failure)
     print(f"{summary}; {time.perf_counter() - started:.0f} s")

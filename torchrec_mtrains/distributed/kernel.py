@@ -133,7 +133,37 @@ def _build_cache_module(
         table_names=[t.name for t in config.embedding_tables],
         **fused_params,
     )
+    _refuse_row_resets(module, [t.name for t, o in zip(config.embedding_tables, options) if o])
     return module, options
+
+
+def _refuse_row_resets(module: SplitTableBatchedEmbeddingBagsCodegen, tiered: list[str]) -> None:
+    """TorchRec's managed-collision modules reset evicted rows by calling fbgemm's
+    ``reset_embedding_weight_momentum`` with row ids on the kernel's module; for a tiered table
+    those would land on cache slots, not rows. Such a call for a tiered table is refused,
+    naming it; resident tables keep fbgemm's behaviour."""
+    if not tiered:
+        return
+    names = list(module.table_names) if getattr(module, "table_names", None) else []
+    original = module.reset_embedding_weight_momentum
+
+    def reset(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("logical_table_ids", args[2] if len(args) > 2 else None)
+        hit = (
+            tiered
+            if ids is None or not names
+            else [names[int(i)] for i in ids.tolist() if names[int(i)] in tiered]
+        )
+        if hit:
+            raise NotImplementedError(
+                f"tables {', '.join(repr(n) for n in hit)}: a managed-collision eviction reset "
+                "rows of a tiered table, which the tiered kernel does not support yet; size "
+                "the managed-collision module (zch_size) so that it does not evict, or keep "
+                "that table on TorchRec's kernels"
+            )
+        return original(*args, **kwargs)
+
+    module.reset_embedding_weight_momentum = reset
 
 
 def _rank_of(pg: dist.ProcessGroup | None) -> int:

@@ -1,0 +1,137 @@
+"""The sweep's virtual-table axis: drawn virtual-table configurations against FUSED.
+
+Each case (:class:`tests.distributed.virtual_harness.VirtualCase`) draws the id space (2**20 to
+2**50 ids, 2 to 8 buckets), the sharding (table- or row-wise), the world size (1 or 2), the
+store (every tier and layout), EBC or EC (weighted or not), the optimizer, the cache size and
+policy, the bound on live rows and the eviction policy with its trigger, and is compared step by
+step with a FUSED table of the rows its ids stand for (see the harness).
+
+Run it::
+
+    python -m tests.parity.sweep --virtual --sweep 1000 --seed 0
+
+A case whose new ids do not fit its bound even after eviction is refused by the table itself
+(``VirtualTableFullError``, a one-line error naming the table): counted apart, not as a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tests.distributed.virtual_harness import (
+    BATCH,
+    MAX_LEN,
+    REF_ROWS,
+    VirtualCase,
+    run_case,
+    spawn_cases,
+)
+from torchrec_mtrains.distributed.virtual_tables import bucket_rows
+
+STORES = ("dram", "byte_scm", "block_scm", "log_block_scm")
+EVICTIONS = ("none", "count", "ttl", "mixed", "l2")
+FULL = "VirtualTableFullError"
+
+
+def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
+    world = rng.choice((1, 1, 2))
+    sharding = rng.choice(("tw", "rw")) if world == 2 else "tw"
+    kind = rng.choice(("ebc", "ebc", "ec"))
+    buckets = rng.choice((2, 3, 4, 6, 8)) if sharding == "rw" else 4
+    power = rng.choice((20, 32, 40, 50))
+    num_embeddings = buckets * 2 ** (power - 3) if sharding == "rw" else 2**power
+    eviction = rng.choice(EVICTIONS)
+    # Ids each rank's store must hold at most without eviction, and its share of the bound.
+    if sharding == "rw":
+        shares = [r / num_embeddings for r in bucket_rows(num_embeddings, buckets, 2)]
+        needed = math.ceil((REF_ROWS // 2) / min(shares))
+    else:
+        needed = REF_ROWS
+    max_live_rows = needed + rng.randint(0, 40)
+    if eviction != "none":
+        max_live_rows = rng.randint(max_live_rows // 3, max_live_rows)
+    trigger = rng.choice((0, 0, rng.randint(20, 120)))
+    capacity_low = max_live_rows * (min(shares) if sharding == "rw" else 1.0)
+    batch_rows = 2 * BATCH * MAX_LEN  # a batch's ids of the table, at most
+    factor = max(rng.uniform(0.1, 1.0), min(1.0, (batch_rows + 4) / capacity_low))
+    return VirtualCase(
+        store=rng.choice(STORES),
+        kind=kind,
+        sharding=sharding,
+        optimizer=rng.choice(("sgd", "rowwise_adagrad", "adagrad")),
+        weighted=kind == "ebc" and rng.random() < 0.3,
+        num_embeddings=num_embeddings,
+        buckets=buckets,
+        max_live_rows=max_live_rows,
+        cache_load_factor=round(factor, 4),
+        policy=rng.choice(("lru", "lfu")),
+        steps=rng.randint(8, 20),
+        seed=seed,
+        eviction=eviction,
+        trigger=trigger,
+        world_size=world,
+    )
+
+
+def draw_virtual_cases(count: int, seed: int) -> list[VirtualCase]:
+    rng = random.Random(seed)
+    return [draw_virtual_case(rng, seed * 1_000_003 + i) for i in range(count)]
+
+
+def _status(result: dict[str, Any]) -> str:
+    if result["error"] is not None:
+        return "refused" if FULL in result["error"] else "error"
+    return "ok" if result["mismatched_step"] is None else "mismatch"
+
+
+def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualCase, str, str]]:
+    """Each case's status (ok, mismatch, error, refused) and details, in order."""
+    out: dict[int, tuple[VirtualCase, str, str]] = {}
+    ones = [(i, c) for i, c in enumerate(cases) if c.world_size == 1]
+    for i, case in ones:
+        try:
+            result = run_case(case, 0, 1, root / f"v{i}").as_dict()
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}", "mismatched_step": None}
+        out[i] = (case, _status(result), str(result.get("error") or result["mismatched_step"]))
+    twos = [(i, c) for i, c in enumerate(cases) if c.world_size == 2]
+    while twos:
+        per_rank = spawn_cases([c for _, c in twos], 2, root)
+        ran = min(len(r) for r in per_rank)
+        if ran == 0:
+            i, case = twos[0]
+            out[i] = (case, "error", "the ranks reported nothing")
+        for j in range(ran):
+            i, case = twos[j]
+            statuses = [_status(r[j]) for r in per_rank]
+            # A table refusing a batch on one rank stops the other one mid-collective.
+            order = (
+                ("refused", "error", "mismatch") if "refused" in statuses else ("error", "mismatch")
+            )
+            worst = next((s for s in order if s in statuses), "ok")
+            detail = " | ".join(str(r[j]["error"] or r[j]["mismatched_step"]) for r in per_rank)
+            out[i] = (case, worst, detail)
+        twos = twos[max(ran, 1) :]  # a job stops at a case that failed on a rank
+    return [out[i] for i in range(len(cases))]
+
+
+def virtual_report(outcomes: Sequence[tuple[VirtualCase, str, str]]) -> tuple[str, list[str]]:
+    counts = {s: sum(o[1] == s for o in outcomes) for s in ("ok", "mismatch", "error", "refused")}
+    tried = len(outcomes) - counts["refused"]
+    summary = (
+        f"virtual sweep: {tried} configurations compared with TorchRec's FUSED kernel: "
+        f"{counts['ok']} bit for bit, {counts['mismatch']} mismatched, {counts['error']} failed "
+        f"({counts['refused']} refused by the table itself: new ids past max_live_rows)"
+    )
+    failures = [
+        f"{status.upper()} {json.dumps(asdict(case))}\n  {detail[-600:]}"
+        for case, status, detail in outcomes
+        if status in ("mismatch", "error")
+    ]
+    return summary, failures
