@@ -9,6 +9,7 @@ evicted it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,17 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, FeatureScoreB
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.distributed.virtual_harness import VirtualCase, run_case, spawn_cases, virtual_shards
+from tests.distributed.virtual_harness import (
+    VirtualCase,
+    batch,
+    build_model,
+    outputs,
+    run_case,
+    spawn_cases,
+    virtual_shards,
+)
 from torchrec_mtrains.cache.id_map import VirtualTableFullError
+from torchrec_mtrains.checkpoint import CheckpointManager, expand_for_load
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -182,7 +192,7 @@ def test_plans_the_tiers_cannot_run_are_refused_naming_table_and_option(
         _shard(ebc, tmp_path, **setup)  # type: ignore[arg-type]
 
 
-def test_bad_ids_a_full_table_and_state_dicts_get_one_line_errors(tmp_path: Path) -> None:
+def test_bad_ids_a_full_table_and_checkpoint_chains_get_one_line_errors(tmp_path: Path) -> None:
     model = _shard(_ebc(), tmp_path)
     with pytest.raises(OutOfRangeIdError, match=r"table 't_v'.*1099511627776"):
         model(_kjt([3, 2**40]))
@@ -195,8 +205,8 @@ def test_bad_ids_a_full_table_and_state_dicts_get_one_line_errors(tmp_path: Path
     assert shard.stats()["live_rows"] == 4 and shard.stats()["rows_made"] == 4
     model(_kjt(list(range(100, 106))))
     assert tier_stats(model)["t_v"]["live_rows"] == 10
-    with pytest.raises(NotImplementedError, match=r"virtual tables 't_v': state dicts"):
-        model.state_dict()
+    with pytest.raises(ValueError, match=r"virtual tables 't_v': checkpoint chains"):
+        CheckpointManager(tmp_path / "ckpt", model, model.fused_optimizer)
 
 
 def test_a_row_wise_plan_must_split_ids_as_torchrecs_buckets_route_them(tmp_path: Path) -> None:
@@ -207,3 +217,117 @@ def test_a_row_wise_plan_must_split_ids_as_torchrecs_buckets_route_them(tmp_path
 
     assert bucket_rows(3 * 2**38, 3, 2) == [2**39, 2**38]
     assert bucket_rows(2**40, 4, 2) == [2**39, 2**39]
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _train(model: DistributedModelParallel, case: VirtualCase, steps: range) -> list[torch.Tensor]:
+    """Trains ``steps``, a minute of the tables' clock each (TTLs are in minutes)."""
+    clock = [0.0]
+    for shard in virtual_shards(model):
+        shard.eviction.clock = lambda: clock[0]
+    out = []
+    for step in steps:
+        clock[0] = 60.0 * step
+        _, virt = batch(case, 0, step)
+        values = outputs(case, model(virt))
+        values.square().sum().backward()
+        out.append(values.detach())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "eviction", "bound", "optimizer_first"),
+    [
+        ("rowwise_adagrad", "count", 150, False),
+        ("adagrad", "ttl", 200, True),
+        ("sgd", "none", 260, False),
+    ],
+)
+def test_state_dicts_hold_live_rows_and_a_loaded_model_trains_on_exactly(
+    optimizer: str, eviction: str, bound: int, optimizer_first: bool, tmp_path: Path
+) -> None:
+    case = VirtualCase(optimizer=optimizer, eviction=eviction, max_live_rows=bound)
+    saved = build_model(case, 1, tmp_path / "a")
+    _train(saved, case, range(8))
+    state, optim = saved.state_dict(), saved.fused_optimizer.state_dict()
+    key = "embedding_bags.t_virtual"
+    live = int(virtual_shards(saved)[0].stats()["live_rows"])
+    ids = state[f"{key}.weight_id"].local_shards()[0].tensor
+    assert live < bound and tuple(state[f"{key}.weight"].size()) == (live, 8)  # live rows only
+    assert tuple(ids.shape) == (live, 1) and torch.equal(ids.flatten(), ids.flatten().sort()[0])
+    buckets = state[f"{key}.bucket"].local_shards()[0].tensor
+    assert tuple(buckets.shape) == (4, 1) and int(buckets.sum()) == live
+    assert tuple(state[f"{key}.metadata"].size()) == (live, 2)
+    optim_state = optim["state"][f"{key}.weight"]
+    assert torch.equal(optim_state["t_virtual.weight_id"].local_shards()[0].tensor, ids)
+    loaded = build_model(case, 1, tmp_path / "b")
+    if optimizer_first:
+        loaded.fused_optimizer.load_state_dict(optim)
+        loaded.load_state_dict(state)
+    else:
+        loaded.load_state_dict(state)
+        loaded.fused_optimizer.load_state_dict(optim)
+    again = loaded.state_dict()
+    for part in ("weight", "weight_id", "bucket"):
+        assert torch.equal(
+            again[f"{key}.{part}"].local_shards()[0].tensor,
+            state[f"{key}.{part}"].local_shards()[0].tensor,
+        ), part
+    # the loaded model goes on exactly as the one that saved it (evictions included)
+    for a, b in zip(_train(saved, case, range(8, 16)), _train(loaded, case, range(8, 16))):
+        assert torch.equal(a, b)
+
+
+def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> None:
+    """Spawned: saves a trained row-wise virtual table with dcp at world 2, or loads the
+    checkpoint at world 1 and checks every saved id came back."""
+    from datetime import timedelta
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from torchrec_mtrains.distributed.runtime import process_group
+
+    torch.set_num_threads(1)
+    case = VirtualCase(sharding="rw" if world == 2 else "tw", eviction="count", max_live_rows=300)
+    with process_group(
+        backend="gloo", rank=rank, world_size=world, port=port, timeout=timedelta(seconds=60)
+    ):
+        model = build_model(case, world, Path(root) / f"w{world}r{rank}")
+        key = "embedding_bags.t_virtual"
+        if world == 2:
+            for step in range(6):
+                _, virt = batch(case, rank, step)
+                outputs(case, model(virt)).square().sum().backward()
+            state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+            dcp.save(state, checkpoint_id=path)
+            (shard,) = state["model"][f"{key}.weight_id"].local_shards()
+            torch.save(shard.tensor, os.path.join(path, f"ids{rank}.pt"))
+            (rows,) = state["model"][f"{key}.weight"].local_shards()
+            torch.save(rows.tensor, os.path.join(path, f"rows{rank}.pt"))
+            return
+        state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+        assert expand_for_load(state, FileSystemReader(path).read_metadata()) >= 4
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        model.fused_optimizer.load_state_dict(state["optim"])
+        again = model.state_dict()
+        ids = again[f"{key}.weight_id"].local_shards()[0].tensor.flatten()
+        rows = again[f"{key}.weight"].local_shards()[0].tensor
+        saved_ids = torch.cat([torch.load(os.path.join(path, f"ids{r}.pt")) for r in (0, 1)])
+        saved_rows = torch.cat([torch.load(os.path.join(path, f"rows{r}.pt")) for r in (0, 1)])
+        assert torch.equal(ids, saved_ids.flatten().sort()[0])
+        order = saved_ids.flatten().argsort()
+        assert torch.equal(rows, saved_rows[order])
+
+
+def test_a_dcp_checkpoint_of_two_ranks_loads_on_one(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from torchrec_mtrains.distributed.runtime import free_port
+
+    path, root = str(tmp_path / "ckpt"), str(tmp_path / "tiers")
+    mp.spawn(_save_and_load, args=(2, free_port(), path, root), nprocs=2, join=True)
+    mp.spawn(_save_and_load, args=(1, free_port(), path, root), nprocs=1, join=True)

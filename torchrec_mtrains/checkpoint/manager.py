@@ -115,6 +115,13 @@ class CheckpointManager:
         )
         self.options = options or CheckpointOptions()
         self._groups = tiered_groups(model)
+        virtual = sorted({s.name for g in self._groups for s in g.shards if s.virtual is not None})
+        if virtual:
+            raise ValueError(
+                f"virtual tables {', '.join(repr(n) for n in virtual)}: checkpoint chains do not "
+                "hold virtual tables yet; save them with torch.distributed.checkpoint "
+                "(model.state_dict() holds their live rows; see expand_for_load to load them)"
+            )
         self._last: Link | None = None
         if self.options.full_every > 1:
             track_changes(self._groups)  # incremental links hold only the rows training changed

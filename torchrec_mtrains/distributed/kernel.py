@@ -17,6 +17,7 @@ are where TorchRec puts them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,15 @@ from torchrec_mtrains.distributed.sharded_state import (
     swap_aliases,
 )
 from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
+from torchrec_mtrains.distributed.virtual_state import (
+    ID_KEY,
+    gather_incoming,
+    gather_sizes,
+    load_rows,
+    read_live_rows,
+    select_range,
+    stacked,
+)
 from torchrec_mtrains.distributed.virtual_tables import VirtualShard, physical_config
 
 if TYPE_CHECKING:  # the TorchRec kernel the mixin below is combined with (Any to mypy)
@@ -203,6 +213,9 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
         self._tiers = tiers
+        self._pg: dist.ProcessGroup | None = args[2] if len(args) > 2 else kwargs.get("pg")
+        # Loaded state of virtual tables, by shard index, until post_load_state_dict.
+        self._virtual_loads: dict[int, dict[str, Any]] = {}
         # TorchRec's constructor lists the state's keys, reading no value: syncing then would
         # export a copy of every log-structured table each time a model is built.
         self._sync_on_read = False
@@ -211,13 +224,61 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     @property
     def state(self) -> Any:
-        if self._sync_on_read:
-            self._tiers.sync_views()
-        return self._tier_state
+        if not self._sync_on_read:
+            return self._tier_state
+        self._tiers.sync_views()
+        virtual = self._virtual_params()
+        if not virtual:
+            return self._tier_state
+        # A virtual table's state: its live rows, as its module's state dict holds them.
+        out = dict(self._tier_state)
+        for param, (index, table) in virtual.items():
+            out[param] = self._virtual_state(param, index, table)
+        return out
 
     @state.setter
     def state(self, value: Any) -> None:
         self._tier_state = value
+
+    def _virtual_params(self) -> dict[Any, tuple[int, str]]:
+        """Virtual tables' params (``<table>.weight``) -> their shard index and table name."""
+        shards = {s.name: i for i, s in enumerate(self._tiers.shards) if s.virtual is not None}
+        out: dict[Any, tuple[int, str]] = {}
+        for name, param in self.params.items():
+            table = name.split(".")[-2] if name.endswith(".weight") else name
+            if table in shards:
+                out[param] = (shards[table], table)
+        return out
+
+    def _virtual_state(self, param: Any, index: int, table: str) -> dict[str, Any]:
+        """Live-row ShardedTensors of a virtual table's optimizer states and ids; loading into
+        them (TorchRec's ``KeyedOptimizer.load_state_dict`` calls each one's
+        ``load_state_dict``) keeps what is loaded until :meth:`post_load_state_dict`."""
+        shard = self._tiers.shards[index]
+        self._tiers.flush()
+        rows = read_live_rows(shard)
+        placements = {
+            str(md.placement) for md in (shard_global_shards(self._tier_state[param]) or [])
+        }
+        rank = dist.get_rank(self._pg) if dist.is_initialized() else 0
+        world = dist.get_world_size(self._pg) if dist.is_initialized() else 1
+        if len(placements) > 1:  # row-wise: every rank holds a shard and takes part
+            counts = [c[0][0] for c in gather_sizes([[len(rows.ids)]], self._pg)]
+        else:  # table-wise: this rank alone holds it
+            counts = [len(rows.ids) if r == rank else 0 for r in range(world)]
+        keys = list(self._tier_state[param].keys())
+        parts = {k: v for k, v in zip(keys, rows.states)}
+        parts[f"{table}.{ID_KEY}"] = rows.ids.reshape(-1, 1)
+        out: dict[str, Any] = {}
+        for key, value in parts.items():
+            st = stacked(value, counts, rank, self._pg)
+            # What TorchRec's KeyedOptimizer.load_state_dict calls with the loaded value.
+            setattr(st, "load_state_dict", functools.partial(self._keep_loaded, index, key))  # noqa: B010
+            out[key] = st
+        return out
+
+    def _keep_loaded(self, index: int, key: str, value: Any) -> None:
+        self._virtual_loads.setdefault(index, {})[key] = value
 
     @property
     def unsynced_state(self) -> Any:
@@ -236,15 +297,46 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
             id(v) not in own for states in state_dict["state"].values() for v in states.values()
         )
         if foreign:
-            for index in range(len(self._tiers.shards)):
-                self._tiers.views.mark_written(index)
+            for index, shard in enumerate(self._tiers.shards):
+                if shard.virtual is None:  # (a virtual table's load goes by ids)
+                    self._tiers.views.mark_written(index)
         super().load_state_dict(state_dict)
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
+        loads, self._virtual_loads = self._virtual_loads, {}
+        for index, entries in loads.items():
+            shard = self._tiers.shards[index]
+            assert shard.virtual is not None
+            id_key = next((k for k in entries if k.endswith(f".{ID_KEY}")), None)
+            if id_key is None:
+                raise KeyError(f"virtual table {shard.name!r}: the optimizer state has no ids")
+            ids = gather_incoming(entries.pop(id_key))
+            names = [k for k in self._tier_state_keys(index) if k in entries]
+            space = shard.virtual.space
+            mine, *states = select_range(
+                ids, space.id_offset, space.ids, *(gather_incoming(entries[k]) for k in names)
+            )
+            self._tiers.purge()
+            load_rows(shard, mine, None, states)
         # The loaded state goes to the tiers and to the cached rows (whose weights stay).
         # (DMP's combined optimizer loads into this one's state and calls this alone.)
         self._tiers.absorb_view_writes(loaded=True)
+
+    def _tier_state_keys(self, index: int) -> list[str]:
+        """TorchRec's names of the optimizer states of shard ``index``, in fbgemm's order."""
+        for param, (i, _) in self._virtual_params().items():
+            if i == index:
+                return list(self._tier_state[param].keys())
+        return []
+
+
+def shard_global_shards(states: Mapping[str, Any]) -> list[Any] | None:
+    """The global shard metadata of the first ShardedTensor among ``states``."""
+    for value in states.values():
+        if isinstance(value, ShardedTensor):
+            return list(value.metadata().shards_metadata)
+    return None
 
 
 class _TieredKernelMixin(_KernelBase):

@@ -54,6 +54,21 @@ from torchrec_mtrains.distributed.sharded_state import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.virtual_state import (
+    BUCKET_KEY,
+    ID_KEY,
+    METADATA_KEY,
+    LiveRows,
+    bucket_counts,
+    gather_incoming,
+    load_rows,
+    read_live_rows,
+    select_range,
+    stacked,
+)
+from torchrec_mtrains.distributed.virtual_state import (
+    gather_sizes as _gather_sizes,
+)
 from torchrec_mtrains.distributed.virtual_tables import is_virtual, with_virtual_specs
 from torchrec_mtrains.initializers import RowAddressedInit
 
@@ -190,7 +205,7 @@ class _TieredShardedMixin(_ShardedBase):
             # TorchRec copies the resident tables in after the pre-hooks: a load, not training.
             self.register_load_state_dict_post_hook(_loaded_hook)
             if self._virtual_table_names():
-                self.register_state_dict_pre_hook(_refuse_virtual_state)
+                self.register_state_dict_post_hook(_virtual_state_hook)
 
     def _chunk_other_tables(self) -> None:
         """Row chunks in the state dict for this module's other tables too (TorchRec's own
@@ -322,7 +337,7 @@ class _TieredShardedMixin(_ShardedBase):
         configs = self._config_by_name()
         virtual = set(self._virtual_table_names())
         for name in self._tiered_table_names():
-            if name in virtual:  # no state dict yet: see _refuse_virtual_state
+            if name in virtual:  # live rows, built per state dict: see _virtual_state_entries
                 continue
             local = [
                 Shard(group.views.weight_view(i), _local_metadata(shard))
@@ -388,8 +403,12 @@ class _TieredShardedMixin(_ShardedBase):
         """Copies tiered tables out of ``state_dict`` into their tiers, chunk by chunk, and
         removes their keys so TorchRec's own loading skips them. (TorchRec's pre-load hook
         has purged the caches, taking in what was written through the views before.)"""
+        self._load_virtual_state(state_dict, prefix)
         loaded: set[int] = set()
+        virtual = set(self._virtual_table_names())
         for name in self._tiered_table_names():
+            if name in virtual:
+                continue
             key = f"{prefix}{self._tables_attr}.{name}.weight"
             if key not in state_dict:
                 continue
@@ -420,6 +439,85 @@ class _TieredShardedMixin(_ShardedBase):
         for group in self.tiered_groups():
             if id(group) in loaded:
                 group.absorb_view_writes(loaded=True)
+
+    def _virtual_shards(self, name: str) -> list[tuple[TieredTableGroup, int, TieredTableShard]]:
+        return [(g, i, sh) for g, i, sh in self._tiered_shards(name) if sh.virtual is not None]
+
+    def _virtual_state_entries(self, prefix: str) -> dict[str, Any]:
+        """The virtual tables' state-dict entries (see :mod:`.virtual_state`): every rank
+        takes part (one all-gather of live counts)."""
+        names = self._virtual_table_names()
+        configs = self._config_by_name()
+        env = compat.module_env(self)
+        pg, rank = (
+            env.process_group,
+            dist.get_rank(env.process_group) if dist.is_initialized() else 0,
+        )
+        local: list[tuple[LiveRows, torch.Tensor]] = []
+        for name in names:
+            shards = self._virtual_shards(name)
+            if len(shards) > 1:
+                raise ValueError(f"virtual table {name!r}: more than one shard on a rank")
+            config = configs[name]
+            buckets = getattr(config, "total_num_buckets", None)
+            if not shards:
+                empty = LiveRows(
+                    torch.empty(0, dtype=torch.int64),
+                    torch.empty(
+                        0, config.embedding_dim, dtype=data_type_to_dtype(config.data_type)
+                    ),
+                    [],
+                )
+                local.append((empty, torch.empty(0, 1, dtype=torch.int64)))
+                continue
+            group, _, shard = shards[0]
+            group.flush()
+            rows = read_live_rows(shard)
+            assert shard.virtual is not None
+            space = shard.virtual.space
+            counts, total = bucket_counts(rows.ids, config.num_embeddings, buckets)
+            size = config.num_embeddings // total
+            first, last = space.id_offset // size, (space.id_offset + space.ids) // size
+            local.append((rows, counts[first:last]))
+        sizes = _gather_sizes([[len(r.ids), len(b)] for r, b in local], pg)
+        out: dict[str, Any] = {}
+        for t, (name, (rows, bucket)) in enumerate(zip(names, local)):
+            key = f"{prefix}{self._tables_attr}.{name}"
+            live = [per_rank[t][0] for per_rank in sizes]
+            out[f"{key}.weight"] = stacked(rows.weights, live, rank, pg)
+            out[f"{key}.{ID_KEY}"] = stacked(rows.ids.reshape(-1, 1), live, rank, pg)
+            out[f"{key}.{BUCKET_KEY}"] = stacked(
+                bucket, [per_rank[t][1] for per_rank in sizes], rank, pg
+            )
+            out[f"{key}.{METADATA_KEY}"] = stacked(rows.metadata, live, rank, pg)
+        return out
+
+    def _load_virtual_state(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Loads the virtual tables' entries of ``state_dict`` into their shards (TorchRec's
+        pre-load hook has purged the caches) and removes them."""
+        for name in self._virtual_table_names():
+            key = f"{prefix}{self._tables_attr}.{name}"
+            weight = state_dict.pop(f"{key}.weight", None)
+            ids = state_dict.pop(f"{key}.{ID_KEY}", None)
+            metadata = state_dict.pop(f"{key}.{METADATA_KEY}", None)
+            state_dict.pop(f"{key}.{BUCKET_KEY}", None)
+            if weight is None and ids is None:
+                continue
+            if weight is None or ids is None:
+                raise KeyError(
+                    f"virtual table {name!r}: the state dict holds only one of {key}.weight and "
+                    f"{key}.{ID_KEY}"
+                )
+            all_ids, all_rows = gather_incoming(ids), gather_incoming(weight)
+            parts = [all_rows]
+            if metadata is not None:
+                parts.append(gather_incoming(metadata))
+            for group, _, shard in self._virtual_shards(name):
+                assert shard.virtual is not None
+                space = shard.virtual.space
+                mine, rows, *meta = select_range(all_ids, space.id_offset, space.ids, *parts)
+                group.purge()
+                load_rows(shard, mine, rows, None, meta[0] if meta else None)
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cache and tier counters per tiered table shard on this rank."""
@@ -538,12 +636,10 @@ class TieredShardedEmbeddingCollection(_TieredShardedMixin, ShardedEmbeddingColl
             lookups.append(lookup)
 
 
-def _refuse_virtual_state(module: _TieredShardedMixin, *args: Any) -> None:
-    names = ", ".join(repr(n) for n in module._virtual_table_names())
-    raise NotImplementedError(
-        f"virtual tables {names}: state dicts and checkpoints of virtual tables are not "
-        "supported yet (their live rows would be missing from it, so none is made)"
-    )
+def _virtual_state_hook(
+    module: _TieredShardedMixin, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    state_dict.update(module._virtual_state_entries(prefix))
 
 
 def _chunked_tables_load_hook(
