@@ -72,6 +72,8 @@ FUSED_ROWS = 30
 BATCH = 8
 MAX_LEN = 3
 LEARNING_RATE = 0.05
+# A rank whose table refuses a batch leaves the other waiting in a collective until this.
+RANK_TIMEOUT_S = 20
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class VirtualCase:
     eviction: str = "none"
     trigger: int = 0
     world_size: int = 1  # where a sweep runs it (run_case takes the world it is in)
+    # before this step (0: never) the virtual model is replaced by a new one loaded from its
+    # state_dict() and its optimizer's (in that order, or the optimizer's first)
+    reload_at: int = 0
+    optimizer_first: bool = False
 
     @property
     def id(self) -> str:
@@ -318,20 +324,19 @@ def run_case(
     ref = build_model(case, world_size, None)
     fill_reference(case, ref)
     tie = build_model(case, world_size, root)
-    shards = virtual_shards(tie)
     clock = [0.0]
-    for shard in shards:
-        shard.record_evictions()
-        shard.eviction.clock = lambda: clock[0]
+    shards = _watch(tie, clock)
     mismatched, largest = None, 0.0
     for step in range(case.steps):
         clock[0] = step * STEP_SECONDS
+        if step and step == case.reload_at:
+            tie, shards = _reloaded(case, tie, world_size, root / f"reload{step}", clock, step)
         ref_batch, virt_batch = batch(case, rank, step)
         b = outputs(case, tie(virt_batch))
         for shard in shards if reset_reference else ():
             assert shard.history is not None
             for record in shard.history:
-                if record.batch == step + 1:
+                if record.batch + shard.batches_before == step + 1:
                     reset_reference_rows(case, ref, torch.from_numpy(record.ids))
         a = outputs(case, ref(ref_batch))
         if not torch.equal(a, b):
@@ -343,12 +348,49 @@ def run_case(
     return VirtualResult(case, rank, mismatched, largest, stats)
 
 
+def _watch(model: DistributedModelParallel, clock: list[float]) -> list[VirtualRows]:
+    """The model's virtual shards, recording evictions, on the test's clock."""
+    shards = virtual_shards(model)
+    for shard in shards:
+        shard.record_evictions()
+        shard.eviction.clock = lambda: clock[0]
+    return shards
+
+
+def _reloaded(
+    case: VirtualCase,
+    model: DistributedModelParallel,
+    world_size: int,
+    root: Path,
+    clock: list[float],
+    step: int,
+) -> tuple[DistributedModelParallel, list[VirtualRows]]:
+    """A new virtual model loaded from ``model``'s state (module and optimizer), watched as
+    ``model`` was; evictions it records count from ``step``."""
+    state, optim = model.state_dict(), model.fused_optimizer.state_dict()
+    fresh = build_model(case, world_size, root)
+    shards = _watch(fresh, clock)
+    if case.optimizer_first:
+        fresh.fused_optimizer.load_state_dict(optim)
+        fresh.load_state_dict(state)
+    else:
+        fresh.load_state_dict(state)
+        fresh.fused_optimizer.load_state_dict(optim)
+    for shard in shards:
+        shard.batches_before = step  # its group counts batches from 1 again
+    return fresh, shards
+
+
 def _rank_main(
     rank: int, world_size: int, port: int, cases: Sequence[VirtualCase], root: str, out: str
 ) -> None:
     torch.set_num_threads(1)
     with process_group(
-        backend="gloo", rank=rank, world_size=world_size, port=port, timeout=timedelta(seconds=120)
+        backend="gloo",
+        rank=rank,
+        world_size=world_size,
+        port=port,
+        timeout=timedelta(seconds=RANK_TIMEOUT_S),
     ):
         results: list[dict[str, Any]] = []
         try:
@@ -369,9 +411,10 @@ def spawn_cases(
 ) -> list[list[dict[str, Any]]]:
     """Runs ``cases`` on ``world_size`` spawned gloo ranks; per rank, their results in order."""
     out = tempfile.mkdtemp(dir=root)
+    tiers = tempfile.mkdtemp(dir=root)  # this job's own: a sweep spawns many jobs in one root
     mp.spawn(
         _rank_main,
-        args=(world_size, free_port(), list(cases), str(root), out),
+        args=(world_size, free_port(), list(cases), tiers, out),
         nprocs=world_size,
         join=True,
     )

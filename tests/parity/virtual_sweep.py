@@ -3,8 +3,9 @@
 Each case (:class:`tests.distributed.virtual_harness.VirtualCase`) draws the id space (2**20 to
 2**50 ids, 2 to 8 buckets), the sharding (table- or row-wise), the world size (1 or 2), the
 store (every tier and layout), EBC or EC (weighted or not), the optimizer, the cache size and
-policy, the bound on live rows and the eviction policy with its trigger, and is compared step by
-step with a FUSED table of the rows its ids stand for (see the harness).
+policy, the bound on live rows, the eviction policy with its trigger, and whether the model is
+replaced midway by one loaded from its state dicts (module and optimizer, in either order), and
+is compared step by step with a FUSED table of the rows its ids stand for (see the harness).
 
 Run it::
 
@@ -58,8 +59,9 @@ def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
         max_live_rows = rng.randint(max_live_rows // 3, max_live_rows)
     trigger = rng.choice((0, 0, rng.randint(20, 120)))
     capacity_low = max_live_rows * (min(shares) if sharding == "rw" else 1.0)
-    batch_rows = 2 * BATCH * MAX_LEN  # a batch's ids of the table, at most
+    batch_rows = 2 * BATCH * MAX_LEN * world  # a step's ids of the table on a rank, at most
     factor = max(rng.uniform(0.1, 1.0), min(1.0, (batch_rows + 4) / capacity_low))
+    steps = rng.randint(8, 20)
     return VirtualCase(
         store=rng.choice(STORES),
         kind=kind,
@@ -71,17 +73,25 @@ def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
         max_live_rows=max_live_rows,
         cache_load_factor=round(factor, 4),
         policy=rng.choice(("lru", "lfu")),
-        steps=rng.randint(8, 20),
+        steps=steps,
         seed=seed,
         eviction=eviction,
         trigger=trigger,
         world_size=world,
+        reload_at=rng.choice((0, 0, rng.randint(1, steps - 1))),
+        optimizer_first=rng.random() < 0.5,
     )
 
 
 def draw_virtual_cases(count: int, seed: int) -> list[VirtualCase]:
     rng = random.Random(seed)
     return [draw_virtual_case(rng, seed * 1_000_003 + i) for i in range(count)]
+
+
+def _first_line(error: str) -> str:
+    """The exception line of a traceback (its last line that names an error)."""
+    lines = [line for line in error.strip().splitlines() if "Error" in line or "error" in line]
+    return lines[-1] if lines else error.strip().splitlines()[-1]
 
 
 def _status(result: dict[str, Any]) -> str:
@@ -99,7 +109,9 @@ def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualC
             result = run_case(case, 0, 1, root / f"v{i}").as_dict()
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}", "mismatched_step": None}
-        out[i] = (case, _status(result), str(result.get("error") or result["mismatched_step"]))
+        error = result.get("error")
+        detail = _first_line(error) if error else f"first mismatch {result['mismatched_step']}"
+        out[i] = (case, _status(result), detail)
     twos = [(i, c) for i, c in enumerate(cases) if c.world_size == 2]
     while twos:
         per_rank = spawn_cases([c for _, c in twos], 2, root)
@@ -115,7 +127,10 @@ def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualC
                 ("refused", "error", "mismatch") if "refused" in statuses else ("error", "mismatch")
             )
             worst = next((s for s in order if s in statuses), "ok")
-            detail = " | ".join(str(r[j]["error"] or r[j]["mismatched_step"]) for r in per_rank)
+            detail = " | ".join(
+                f"rank {k}: " + _first_line(r[j]["error"]) if r[j]["error"] else f"rank {k}: ok"
+                for k, r in enumerate(per_rank)
+            )
             out[i] = (case, worst, detail)
         twos = twos[max(ran, 1) :]  # a job stops at a case that failed on a rank
     return [out[i] for i in range(len(cases))]

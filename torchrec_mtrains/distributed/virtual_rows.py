@@ -51,6 +51,8 @@ class VirtualRows:
     clock: Clock | None = None
     rows_made: int = 0
     history: list[EvictionRecord] | None = field(default=None, repr=False)
+    # batches its group planned before this shard existed (a tool's offset for ``history``)
+    batches_before: int = 0
 
     def __post_init__(self) -> None:
         self.id_map = VirtualRowMap(self.name, self.space.capacity)
