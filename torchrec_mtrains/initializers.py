@@ -114,7 +114,7 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 _UNIT = np.float32(2.0**-24)
 
 
-def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """SplitMix64's finalizer, elementwise (uint64 arithmetic wraps, as the hash needs)."""
     x = x + _GOLDEN
     x = (x ^ (x >> np.uint64(30))) * _MIX1
@@ -180,9 +180,9 @@ class IdSeededUniform:
             return
         id_words = ids.to("cpu", torch.int64).numpy().astype(np.uint64)
         seed = np.uint64(self.seed % 2**64)
-        row_keys = _splitmix64(id_words ^ _splitmix64(np.full(1, seed, dtype=np.uint64)))
+        row_keys = splitmix64(id_words ^ splitmix64(np.full(1, seed, dtype=np.uint64)))
         columns = np.arange(first_col, first_col + cols, dtype=np.uint64)
-        words = _splitmix64(row_keys[:, None] + columns[None, :] * _GOLDEN)
+        words = splitmix64(row_keys[:, None] + columns[None, :] * _GOLDEN)
         unit = (words >> np.uint64(40)).astype(np.float32) * _UNIT
         span = np.float32(self.high) - np.float32(self.low)
         values = np.float32(self.low) + span * unit

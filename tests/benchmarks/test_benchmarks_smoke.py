@@ -316,3 +316,29 @@ def test_tier_bench_smoke_compares_the_engines(tmp_path: Path) -> None:
                 assert run[way]["cpu_us_min"] <= run[way]["cpu_us_median"]
     assert "| engine | QD |" in done.stdout and "| uring | 8 |" in done.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["engines.json"]  # work file removed
+
+
+def test_w3_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "w3.json"
+    done = _run(
+        "w3_bench.py",
+        *("--steps", "12", "--warmup", "2", "--batch-size", "256", "--vocab", "20000"),
+        *("--live-rows", "1500", "--hash-rows", "512", "--dim", "16", "--eval-batches", "2"),
+        *("--cache-load-factor", "0.5"),
+        *("--out", str(out), "--dir", str(tmp_path)),
+    )
+    assert "check: ours = FUSED over 4,096 rows per table for 10 steps: losses equal" in done.stdout
+    result = json.loads(out.read_text())
+    for variant in ("A'", "ours"):
+        assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
+    tables = result["ours"]["tables"]
+    assert set(tables) == {"user", "item"}
+    for stats in tables.values():  # the bound held: ids past it were evicted
+        assert stats["live_rows"] <= 1500 and stats["rows_evicted"] > 0
+        assert stats["rows_made"] == stats["live_rows"] + stats["rows_evicted"]
+    checkpoint = result["ours"]["checkpoint"]
+    assert checkpoint["live_rows"] == sum(t["live_rows"] for t in tables.values())
+    # live rows only, not the bound (at this size dcp's own files weigh: W3 runs the real one)
+    assert checkpoint["bytes"] < 2 * 1500 * (16 * 4 + 4 + 8) * 1.5
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert not list(tmp_path.glob("w3-*"))  # tier files removed

@@ -1,0 +1,406 @@
+"""W3: raw 64-bit ids: virtual tables on a tier (ours) against hashing into FUSED tables (A').
+
+Workload W3: two one-hot sparse features (a "user" and an "item" id per sample), each drawn
+Zipf(``--zipf``) over ``--vocab`` distinct raw ids spread over a 2**40 id space, dim
+``--dim``, row-wise Adagrad (fused), and a small dense part (the two pooled embeddings -> 16 ->
+1). The label of a sample is drawn from ``sigmoid(a(user) + b(item))``, with ``a`` and ``b``
+fixed functions of the raw ids, so an id that shares its row with another (a collision) costs
+quality.
+
+Variants, in this process, one after the other, from the same dense initial weights:
+
+* ``A'``: what users do today: each feature's ids hashed (``id % --hash-rows``) into a table on
+  TorchRec's FUSED kernel that fits the DRAM budget;
+* ``ours``: each feature a virtual table (``use_virtual_table=True``, ``num_embeddings`` 2**40)
+  on ``--tier`` with ``max_live_rows = --live-rows``, its rows made on first use and evicted by
+  TorchRec's ``CountBasedEvictionPolicy`` (a round once the table holds more than 90% of the
+  bound, or when a batch does not fit).
+
+Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches (samples/s
+over the timed steps), then is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
+Reported beside them: ours' live rows over the run, rows made and evicted, and the bytes of a
+full checkpoint of ours (``torch.distributed.checkpoint`` of ``model.state_dict()`` and the
+fused optimizer's state) against live rows x (row + id) bytes.
+
+Before the timed runs, a check that ours computes what TorchRec's kernel computes: ours and a
+FUSED model whose tables hold ``--check-rows`` rows filled by the virtual tables' initializer
+train ``--check-steps`` steps on ids below ``--check-rows``: their losses must be equal, bit for
+bit (the benchmark stops otherwise).
+
+Run it::
+
+    python -m benchmarks.w3_bench --out results/w3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_mtrains.distributed import (
+    TIERED_KERNEL,
+    TieredEmbeddingBagCollectionSharder,
+    TieredParameterSharding,
+    TieredTableOptions,
+    TierStorage,
+)
+from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
+from torchrec_mtrains.pipeline import tier_stats
+
+FEATURES = ("user", "item")
+ID_SPACE = 2**40
+LEARNING_RATE = 0.05
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def _hash(x: np.ndarray[Any, Any], salt: int) -> np.ndarray[Any, Any]:
+    return splitmix64(x.astype(np.uint64) ^ np.uint64(salt))
+
+
+class Stream:
+    """Batches of (user, item) raw ids and labels; ``ids_below`` restricts ids (the check)."""
+
+    def __init__(self, args: argparse.Namespace, seed: int, ids_below: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.args = args
+        self.ids_below = ids_below
+        ranks = np.arange(1, args.vocab + 1, dtype=np.float64)
+        weights = ranks ** (-args.zipf)
+        self.cdf = np.cumsum(weights / weights.sum())
+
+    def raw_ids(self, n: int, salt: int) -> np.ndarray[Any, Any]:
+        ranks = np.searchsorted(self.cdf, self.rng.random(n)).astype(np.uint64)
+        ids = _hash(ranks, salt) & np.uint64(ID_SPACE - 1)
+        if self.ids_below:
+            ids %= np.uint64(self.ids_below)
+        return ids.astype(np.int64)
+
+    def batch(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        n = self.args.batch_size
+        ids = {f: self.raw_ids(n, salt) for f, salt in zip(FEATURES, (11, 23))}
+        logit = _effect(ids["user"], 5) + _effect(ids["item"], 9)
+        labels = (self.rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        return {f: torch.from_numpy(v) for f, v in ids.items()}, torch.from_numpy(labels)
+
+
+def _effect(ids: np.ndarray[Any, Any], salt: int) -> np.ndarray[Any, Any]:
+    """A fixed effect of each raw id on the label's logit, uniform in [-2, 2]."""
+    return (_hash(ids, salt) >> np.uint64(11)).astype(np.float64) / 2**53 * 4 - 2
+
+
+def kjt(ids: dict[str, torch.Tensor], modulo: int = 0) -> KeyedJaggedTensor:
+    values = torch.cat([ids[f] % modulo if modulo else ids[f] for f in FEATURES])
+    n = len(ids[FEATURES[0]])
+    return KeyedJaggedTensor(
+        keys=list(FEATURES), values=values, lengths=torch.ones(2 * n, dtype=torch.int64)
+    )
+
+
+# --------------------------------------------------------------------------------- models
+
+
+class Model(nn.Module):
+    def __init__(self, ebc: EmbeddingBagCollection, dim: int) -> None:
+        super().__init__()
+        self.ebc = ebc
+        torch.manual_seed(0)
+        self.dense = nn.Sequential(nn.Linear(2 * dim, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.ebc(features).values()).squeeze(1)
+
+
+def _init(name: str, dim: int) -> IdSeededUniform:
+    return IdSeededUniform(seed=len(name) * 7919, dim=dim, low=-0.05, high=0.05)
+
+
+def build(
+    args: argparse.Namespace, variant: str, root: Path, rows: int = 0
+) -> DistributedModelParallel:
+    """``A'`` (hashed FUSED), ``ours`` (virtual on a tier) or ``fused`` (``rows`` rows filled by
+    ours' initializer: the check's reference)."""
+    virtual = variant == "ours"
+    table_rows = {"A'": args.hash_rows, "fused": rows, "ours": ID_SPACE}[variant]
+    configs = [
+        EmbeddingBagConfig(
+            name=f,
+            num_embeddings=table_rows,
+            embedding_dim=args.dim,
+            feature_names=[f],
+            init_fn=_init(f, args.dim),
+            use_virtual_table=virtual,
+            virtual_table_eviction_policy=CountBasedEvictionPolicy(
+                training_id_eviction_trigger_count=int(0.9 * args.live_rows),
+                eviction_threshold=2,
+                decay_rate=0.5,
+            )
+            if virtual
+            else None,
+        )
+        for f in FEATURES
+    ]
+    ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
+    fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LEARNING_RATE}
+    sharder: Any = (
+        TieredEmbeddingBagCollectionSharder(TierStorage(root=str(root)), fused_params=fused)
+        if virtual
+        else EmbeddingBagCollectionSharder(fused_params=fused)
+    )
+    kernel = TIERED_KERNEL if virtual else "fused"
+    plan = construct_module_sharding_plan(
+        ebc, {f: table_wise(rank=0, compute_kernel=kernel) for f in FEATURES}, sharder=sharder
+    )
+    if virtual:
+        for f in FEATURES:
+            plan[f] = TieredParameterSharding.wrap(
+                plan[f],
+                TieredTableOptions(
+                    tier=args.tier,
+                    cache_load_factor=args.cache_load_factor,
+                    max_live_rows=args.live_rows,
+                ),
+            )
+    return DistributedModelParallel(
+        Model(ebc, args.dim),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+    )
+
+
+def step(
+    model: DistributedModelParallel, opt: torch.optim.Optimizer, batch: Any, modulo: int
+) -> torch.Tensor:
+    ids, labels = batch
+    opt.zero_grad()
+    loss = nn.functional.binary_cross_entropy_with_logits(model(kjt(ids, modulo)), labels)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def dense_optimizer(model: DistributedModelParallel) -> torch.optim.Optimizer:
+    params = [p for n, p in model.named_parameters() if "dense" in n]
+    return torch.optim.Adagrad(params, lr=LEARNING_RATE)
+
+
+# ------------------------------------------------------------------------------- metrics
+
+
+def ne_and_auc(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    p = labels.mean().clamp(1e-6, 1 - 1e-6)
+    base = -(p * p.log() + (1 - p) * (1 - p).log())
+    ne = float(nn.functional.binary_cross_entropy_with_logits(logits, labels) / base)
+    order = logits.argsort()
+    ranks = torch.empty_like(order, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(order) + 1, dtype=torch.float64)
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    auc = (float(ranks[pos].sum()) - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1)
+    return ne, auc
+
+
+def evaluate(
+    model: DistributedModelParallel, batches: list[Any], modulo: int
+) -> tuple[float, float]:
+    logits, labels = [], []
+    with torch.no_grad():
+        for ids, y in batches:
+            logits.append(model(kjt(ids, modulo)))
+            labels.append(y)
+    return ne_and_auc(torch.cat(logits), torch.cat(labels))
+
+
+# ---------------------------------------------------------------------------------- runs
+
+
+def check(args: argparse.Namespace, root: Path) -> int:
+    """Ours against FUSED on ids below ``--check-rows``; returns the steps compared."""
+    ours, ref = build(args, "ours", root / "check"), build(args, "fused", root, args.check_rows)
+    stream = Stream(args, seed=99, ids_below=args.check_rows)
+    o_opt, r_opt = dense_optimizer(ours), dense_optimizer(ref)
+    for i in range(args.check_steps):
+        batch = stream.batch()
+        a, b = step(ref, r_opt, batch, 0), step(ours, o_opt, batch, 0)
+        if not torch.equal(a, b):
+            raise SystemExit(f"check failed at step {i}: FUSED loss {float(a)} != ours {float(b)}")
+    return args.check_steps
+
+
+def run(
+    args: argparse.Namespace, variant: str, root: Path, eval_batches: list[Any]
+) -> dict[str, Any]:
+    model = build(args, variant, root / variant)
+    opt = dense_optimizer(model)
+    modulo = args.hash_rows if variant == "A'" else 0
+    stream = Stream(args, seed=1)
+    live: list[tuple[int, int]] = []
+    for _ in range(args.warmup):
+        step(model, opt, stream.batch(), modulo)
+    batches = [stream.batch() for _ in range(args.steps)]
+    started = time.perf_counter()
+    losses = []
+    for i, batch in enumerate(batches):
+        losses.append(step(model, opt, batch, modulo))
+        if variant == "ours" and i % max(1, args.steps // 40) == 0:
+            live.append(
+                (args.warmup + i, sum(int(s["live_rows"]) for s in tier_stats(model).values()))
+            )
+    seconds = time.perf_counter() - started
+    ne, auc = evaluate(model, eval_batches, modulo)
+    out: dict[str, Any] = {
+        "samples_per_s": args.steps * args.batch_size / seconds,
+        "eval_ne": ne,
+        "eval_auc": auc,
+        "train_loss_last_10pct": float(torch.stack(losses[-max(1, len(losses) // 10) :]).mean()),
+    }
+    if variant == "ours":
+        stats = tier_stats(model)
+        out["live_rows_over_steps"] = live
+        out["tables"] = {
+            name: {
+                k: s[k]
+                for k in ("live_rows", "rows_made", "rows_evicted", "eviction_rounds", "hit_rate")
+            }
+            for name, s in stats.items()
+        }
+        out["checkpoint"] = checkpoint_bytes(model, args, root / "ckpt")
+    return out
+
+
+def checkpoint_bytes(
+    model: DistributedModelParallel, args: argparse.Namespace, path: Path
+) -> dict[str, Any]:
+    """A full dcp checkpoint of the embeddings (module and fused optimizer) against live rows x
+    (row + id) bytes (row: weights and the row-wise Adagrad state)."""
+    state = {
+        "model": {k: v for k, v in model.state_dict().items() if k.startswith("ebc.")},
+        "optim": model.fused_optimizer.state_dict(),
+    }
+    dcp.save(state, checkpoint_id=str(path))
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    live = sum(int(s["live_rows"]) for s in tier_stats(model).values())
+    ideal = live * (args.dim * 4 + 4 + 8)
+    return {
+        "bytes": written,
+        "live_rows": live,
+        "live_rows_x_row_and_id": ideal,
+        "ratio": written / ideal,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, live = zip(*result["ours"]["live_rows_over_steps"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, live, label="ours: live rows (both tables)")
+    ax.axhline(
+        2 * result["args"]["live_rows"], color="r", ls="--", label="bound (max_live_rows x 2)"
+    )
+    ax.axhline(
+        2 * result["args"]["hash_rows"], color="g", ls=":", label="A': rows of the hashed tables"
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel("rows")
+    ax.set_title("W3: live rows of the virtual tables over the run")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None, help="default: --out with .png")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=4_000_000, help="distinct raw ids per feature")
+    parser.add_argument("--zipf", type=float, default=1.05)
+    parser.add_argument("--hash-rows", type=int, default=2**17, help="A': rows per hashed table")
+    parser.add_argument(
+        "--live-rows", type=int, default=2**19, help="ours: max_live_rows per table"
+    )
+    parser.add_argument("--tier", default="byte_scm")
+    parser.add_argument("--cache-load-factor", type=float, default=0.05)
+    parser.add_argument("--eval-batches", type=int, default=10)
+    parser.add_argument("--check-rows", type=int, default=2**12)
+    parser.add_argument("--check-steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    root = Path(tempfile.mkdtemp(prefix="w3-", dir=args.dir))
+    try:
+        with process_group(torch.device("cpu"), backend="gloo"):
+            checked = check(args, root)
+            print(
+                f"check: ours = FUSED over {args.check_rows:,} rows per table for {checked} steps: losses equal"
+            )
+            eval_stream = Stream(args, seed=2)
+            eval_batches = [eval_stream.batch() for _ in range(args.eval_batches)]
+            result: dict[str, Any] = {
+                "args": vars(args) | {"out": str(args.out), "png": str(args.png)}
+            }
+            for variant in ("A'", "ours"):
+                result[variant] = run(args, variant, root, eval_batches)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    a, ours = result["A'"], result["ours"]
+    print(f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9}")
+    for name in ("A'", "ours"):
+        r = result[name]
+        print(
+            f"{name:8} {r['samples_per_s']:10,.0f} {r['samples_per_s'] / a['samples_per_s']:6.2f} "
+            f"{r['eval_ne']:8.4f} {r['eval_auc']:9.4f}"
+        )
+    for name, t in ours["tables"].items():
+        print(
+            f"ours {name}: live {t['live_rows']:,.0f} (bound {args.live_rows:,}), made "
+            f"{t['rows_made']:,.0f}, evicted {t['rows_evicted']:,.0f} in {t['eviction_rounds']:.0f} "
+            f"rounds, hit rate {t['hit_rate']:.3f}"
+        )
+    ck = ours["checkpoint"]
+    print(
+        f"ours full checkpoint: {ck['bytes']:,} bytes for {ck['live_rows']:,} live rows = "
+        f"{ck['ratio']:.3f} x live rows x (row + id) bytes"
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        png = args.png or args.out.with_suffix(".png")
+        plot(result, png)
+        print(f"wrote {args.out} and {png}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
