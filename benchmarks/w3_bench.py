@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -197,7 +197,7 @@ def step(
     ids, labels = batch
     opt.zero_grad()
     loss = nn.functional.binary_cross_entropy_with_logits(model(kjt(ids, modulo)), labels)
-    loss.backward()
+    torch.autograd.backward(loss)
     opt.step()
     return loss.detach()
 
@@ -300,7 +300,7 @@ def checkpoint_bytes(
         "model": {k: v for k, v in model.state_dict().items() if k.startswith("ebc.")},
         "optim": model.fused_optimizer.state_dict(),
     }
-    dcp.save(state, checkpoint_id=str(path))
+    dcp_save(state, checkpoint_id=str(path))
     written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     live = sum(int(s["live_rows"]) for s in tier_stats(model).values())
     ideal = live * (args.dim * 4 + 4 + 8)
