@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -331,3 +332,66 @@ def test_a_dcp_checkpoint_of_two_ranks_loads_on_one(tmp_path: Path) -> None:
     path, root = str(tmp_path / "ckpt"), str(tmp_path / "tiers")
     mp.spawn(_save_and_load, args=(2, free_port(), path, root), nprocs=2, join=True)
     mp.spawn(_save_and_load, args=(1, free_port(), path, root), nprocs=1, join=True)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _virtual_configs() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name="t_v",
+            num_embeddings=2**40,
+            embedding_dim=64,
+            feature_names=["f"],
+            use_virtual_table=True,
+            total_num_buckets=4,
+        ),
+        EmbeddingBagConfig(
+            name="t_small", num_embeddings=1000, embedding_dim=64, feature_names=["g"]
+        ),
+    ]
+
+
+def test_the_planner_sizes_a_virtual_table_from_its_bound_and_the_plan_trains(
+    tmp_path: Path,
+) -> None:
+    from torchrec_mtrains.planner import plan_tables
+    from torchrec_mtrains.planner.planners import PlacementError, with_budgets
+    from torchrec_mtrains.planner.presets import load_topology
+    from torchrec_mtrains.planner.types import PlannerConfig
+
+    host = with_budgets(load_topology("local"), "64MB", "100MB")
+    sharder = TieredEmbeddingBagCollectionSharder(
+        TierStorage(root=str(tmp_path)), offer_tiered_kernel=True
+    )
+
+    def plan(bound: int | None, world: int = 1) -> Any:
+        config = PlannerConfig(max_live_rows={} if bound is None else {"t_v": bound})
+        return plan_tables(_virtual_configs(), host, world, 512, None, sharder, config=config).plan
+
+    planned = plan(100_000)
+    assert planned["t_v"].compute_kernel == TIERED_KERNEL
+    assert planned["t_v"].tier_options.max_live_rows == 100_000
+    assert planned["t_small"].compute_kernel == "fused"
+    with pytest.raises(ValueError, match=r"virtual table 't_v': set planner.max_live_rows.t_v"):
+        plan(None)
+    with pytest.raises(PlacementError, match=r"dram .* OVER"):  # its id map alone is too big
+        plan(10**8)
+    # two ranks: a bound one rank cannot hold is split row-wise in whole buckets, as TorchRec's
+    # input distribution routes ids
+    two = plan(200_000, world=2)["t_v"]
+    assert two.sharding_type == "row_wise"
+    assert [s.shard_sizes[0] for s in two.sharding_spec.shards] == [2**39, 2**39]
+    # the plan of one rank trains
+    ebc = EmbeddingBagCollection(_virtual_configs(), device=torch.device("meta"))
+    model = DistributedModelParallel(
+        ebc, device=torch.device("cpu"), plan=ShardingPlan({"": planned}), sharders=[sharder]
+    )
+    out = model(
+        KeyedJaggedTensor(
+            keys=["f", "g"], values=torch.tensor([2**40 - 1, 5, 7]), lengths=torch.tensor([2, 1])
+        )
+    )
+    assert out.values().shape == (1, 128)
+    assert tier_stats(model)["t_v"]["live_rows"] == 2

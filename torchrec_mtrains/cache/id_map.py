@@ -28,6 +28,16 @@ NO_ROW = -1  # lookup of an absent id
 _MIN_SLOTS = 16
 
 
+def _slots_for(capacity: int) -> int:
+    return max(_MIN_SLOTS, 1 << (2 * capacity - 1).bit_length())
+
+
+def map_bytes(capacity: int) -> int:
+    """Host memory of a :class:`VirtualRowMap` of ``capacity`` rows, with the eviction
+    statistics kept beside it (two float64 per row): what a plan sets aside for it."""
+    return _slots_for(capacity) * 16 + capacity * (8 + 8 + 16)
+
+
 class VirtualTableFullError(RuntimeError):
     """A batch brings more new ids than a virtual table shard has free rows."""
 
@@ -132,7 +142,7 @@ class VirtualRowMap:
             raise ValueError(f"virtual table {table!r}: capacity must be at least 1 row")
         self.table = table
         self.capacity = capacity
-        slots = max(_MIN_SLOTS, 1 << (2 * capacity - 1).bit_length())
+        slots = _slots_for(capacity)
         self._keys = np.full(slots, EMPTY, dtype=np.int64)
         self._rows = np.zeros(slots, dtype=np.int64)
         # Rows are handed out from the top of the stack: 0, 1, 2, ... on a fresh map.

@@ -14,6 +14,10 @@ host allow:
   lookup, so more slices only multiply the per-lookup work.
 
 Shard geometry comes from TorchRec's ``calculate_shard_sizes_and_offsets``.
+
+A virtual table (``use_virtual_table=True``) is offered on the tiered kernel only, table-wise
+or row-wise by whole buckets as TorchRec's input distribution routes them, and sized from its
+``PlannerConfig.max_live_rows`` bound (a table without one is a planning error naming it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
 from torchrec.distributed.types import ModuleSharder, ShardingType
 
 from torchrec_mtrains.distributed.options import TIERED_KERNEL
+from torchrec_mtrains.distributed.virtual_tables import bucket_rows, is_virtual
 from torchrec_mtrains.planner.access import TableAccess, from_profile, uniform_access
 from torchrec_mtrains.planner.perf_model import Placement
 from torchrec_mtrains.planner.shard_estimators import TieredShardEstimator, optimizer_state_width
@@ -191,6 +196,34 @@ class TieredEnumerator(Enumerator):
         )
         return [list(s) for s in sizes], [list(o) for o in offsets]
 
+    def _virtual_bound(self, config: Any) -> int:
+        bound = self.context.config.max_live_rows.get(config.name)
+        if bound is None:
+            raise ValueError(
+                f"virtual table {config.name!r}: set planner.max_live_rows.{config.name}, the "
+                "most ids it holds at once (the planner sizes its store from it)"
+            )
+        return int(bound)
+
+    def _virtual_types(self, config: Any) -> list[str]:
+        """Table-wise, and row-wise when its buckets can be spread over the ranks."""
+        buckets = getattr(config, "total_num_buckets", None) or 0
+        ctx = self.context
+        if ctx.world_size > 1 and ctx.config.split_tables and buckets >= ctx.world_size:
+            return [_TW, _RW]
+        return [_TW]
+
+    def _virtual_geometry(
+        self, config: Any, sharding_type: str, cols: int
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        if sharding_type == _TW:
+            return [[config.num_embeddings, cols]], [[0, 0]]
+        sizes = bucket_rows(
+            config.num_embeddings, config.total_num_buckets, self.context.world_size
+        )
+        starts = [sum(sizes[:r]) for r in range(len(sizes))]
+        return [[n, cols] for n in sizes], [[s, 0] for s in starts]
+
     # --------------------------------------------------------------------- TorchRec API
 
     def enumerate(
@@ -211,18 +244,32 @@ class TieredEnumerator(Enumerator):
                 continue
             pooled = ShardingOption.module_pooled(child, path)
             fused_params: dict[str, Any] | None = getattr(sharder, "fused_params", None)
+            configs = {c.name: c for c in _table_configs(child)}
             for name, param in sharder.shardable_parameters(child).items():
                 rows, cols = int(param.shape[0]), int(param.shape[1])
-                access = self._access(name, rows, cols)
+                config = configs.get(name)
+                virtual = config is not None and is_virtual(config)
+                live = self._virtual_bound(config) if virtual else None
+                access = self._access(name, live or rows, cols)
                 ctx.access[name] = access
                 state = optimizer_state_width(fused_params, cols)
-                types = [_TW, *self._split_types(sharder, rows, cols)]
+                types = (
+                    self._virtual_types(config)
+                    if virtual
+                    else [_TW, *self._split_types(sharder, rows, cols)]
+                )
                 per_table: list[ShardingOption] = []
                 for sharding_type in types:
                     if sharding_type not in offered_sharding_types(sharder, device):
                         continue
-                    sizes, offsets = self._geometry(param, sharding_type)
+                    sizes, offsets = (
+                        self._virtual_geometry(config, sharding_type, cols)
+                        if virtual
+                        else self._geometry(param, sharding_type)
+                    )
                     for kernel in offered_kernels(sharder, sharding_type, device):
+                        if virtual and kernel != TIERED_KERNEL:
+                            continue  # only the tiered kernel backs virtual tables here
                         for placement in _placements(kernel, ctx):
                             per_table.append(
                                 TieredShardingOption(
@@ -232,6 +279,7 @@ class TieredEnumerator(Enumerator):
                                     table_cols=cols,
                                     state_width=state,
                                     element_bytes=param.element_size(),
+                                    live_rows=live,
                                     name=name,
                                     tensor=param,
                                     module=(path, child),
@@ -265,3 +313,12 @@ class TieredEnumerator(Enumerator):
 
     def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
         self.estimator.estimate(sharding_options)
+
+
+def _table_configs(module: nn.Module) -> list[Any]:
+    """The embedding configs of an EBC or EC (others: none)."""
+    for attr in ("embedding_bag_configs", "embedding_configs"):
+        getter = getattr(module, attr, None)
+        if callable(getter):
+            return list(getter())
+    return []

@@ -119,7 +119,7 @@ class _RankCaches:
     def offer(self, k: int) -> None:
         option, i = self.members[k]
         tier = self.tier_of(option)
-        rows = int(option.shards[i].size[0])
+        rows = option.stored_rows(i)
         current = option.cache_rows[i]
         per_row = self._bytes(option, i, current + 1) - self._bytes(option, i, current)
         if current >= rows or per_row <= 0:
@@ -183,8 +183,8 @@ def size_caches(
         if not option.placement.cached:
             continue
         factor = option.cache_load_factor_value * (1.0 - 1e-12)
-        for i, shard in enumerate(option.shards):
-            rows = int(shard.size[0])
+        for i in range(len(option.shards)):
+            rows = option.stored_rows(i)
             if rows > 0:
                 cache = max(1, min(rows, math.ceil(factor * rows)))
                 if cache != option.cache_rows[i]:

@@ -239,6 +239,7 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):
                             tier=option.placement.rows_tier,
                             cache_load_factor=_load_factor(option),
                             cache_policy=self.context.config.cache_policy,
+                            max_live_rows=option.live_rows,
                         ),
                     )
                 elif option.placement is Placement.CACHED_DRAM:

@@ -22,6 +22,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingType
 
+from torchrec_mtrains.cache.id_map import map_bytes
 from torchrec_mtrains.planner.access import TableAccess
 from torchrec_mtrains.planner.perf_model import (
     ID_MAP_BYTES,
@@ -124,7 +125,7 @@ class TieredShardEstimator(ShardEstimator):
             float(self.context.samples_per_step),
             state_width=option.state_width,
             element_bytes=option.element_bytes,
-            rows=int(shard.size[0]),
+            rows=option.stored_rows(index),
             row_fraction=self._row_fraction(option, index),
             pooled=option.is_pooled,
         )
@@ -143,7 +144,7 @@ class TieredShardEstimator(ShardEstimator):
 
     def min_cache_rows(self, option: TieredShardingOption, index: int) -> int:
         """The smallest cache that holds every row of a batch (with margin)."""
-        rows = int(option.shards[index].size[0])
+        rows = option.stored_rows(index)
         cfg = self.context.config
         unique = self.work(option, index).unique_rows
         return max(1, min(rows, max(cfg.min_cache_rows, math.ceil(cfg.min_cache_factor * unique))))
@@ -151,7 +152,7 @@ class TieredShardEstimator(ShardEstimator):
     def demand(self, option: TieredShardingOption, index: int, cache_rows: int) -> dict[Tier, int]:
         """Bytes shard ``index`` asks of each tier with a cache of ``cache_rows`` rows."""
         shard = option.shards[index]
-        rows, cols = int(shard.size[0]), int(shard.size[1])
+        rows, cols = option.stored_rows(index), int(shard.size[1])
         row_bytes = stored_row_bytes(cols, option.state_width, option.element_bytes)
         placement = option.placement
         out: dict[Tier, int] = {placement.rows_tier: rows * row_bytes}
@@ -163,6 +164,8 @@ class TieredShardEstimator(ShardEstimator):
                 row_bytes + SLOT_OVERHEAD_BYTES
             )
             out[Tier.DRAM] = out.get(Tier.DRAM, 0) + rows * ID_MAP_BYTES
+            if option.live_rows is not None:  # a virtual table's id -> row map
+                out[Tier.DRAM] += map_bytes(rows)
             tier = self.context.host.memory(placement.rows_tier)
             if isinstance(tier, BlockTierConfig) and tier.layout == "log":  # the log's index
                 index = math.ceil(rows * index_bytes_per_row(rows, tier.max_space_amplification))

@@ -69,6 +69,9 @@ class PlannerConfig:
         byte_scm_budget: likewise, the byte SCM capacity per host; empty for the topology's.
         pin_hot_rows: with a profile, keep each tiered table's hottest rows (up to a quarter of
             its cache) resident for good (FAE).
+        max_live_rows: per virtual table (``use_virtual_table=True``), the most ids it holds
+            at once: the planner sizes its store (and cache) from this bound, not from its
+            ``num_embeddings`` id space.
     """
 
     name: str = "tiered"
@@ -85,9 +88,13 @@ class PlannerConfig:
     dram_budget: str = ""
     byte_scm_budget: str = ""
     pin_hot_rows: bool = True
+    max_live_rows: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         registered_policy(self.cache_policy, "cache_policy")
+        for table, bound in self.max_live_rows.items():
+            if int(bound) < 1:
+                raise ValueError(f"planner.max_live_rows.{table} must be >= 1, got {bound}")
         for name in ("dram_budget", "byte_scm_budget"):  # "" leaves the topology's
             if getattr(self, name) != "":
                 parse_size(getattr(self, name), f"planner.{name}")
@@ -229,9 +236,12 @@ class TieredShardingOption(ShardingOption):
     Args:
         placement: where the rows live and how they are computed.
         access: the table's access statistics (shared, never copied).
-        table_rows / table_cols: the whole table's shape (shards may be parts of it).
+        table_rows / table_cols: the whole table's shape (shards may be parts of it); a
+            virtual table's rows are its id space.
         state_width: optimizer-state values per row.
         element_bytes: bytes per stored weight (the optimizer state is fp32).
+        live_rows: a virtual table's bound on live ids (its stores hold that many rows, split
+            over row-wise shards by their share of the id space); ``None`` for other tables.
         **kwargs: TorchRec's ``ShardingOption`` arguments.
     """
 
@@ -244,9 +254,11 @@ class TieredShardingOption(ShardingOption):
         table_cols: int,
         state_width: int,
         element_bytes: int,
+        live_rows: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.live_rows = live_rows
         self.placement = placement
         self.access = access
         self.table_rows = table_rows
@@ -261,6 +273,13 @@ class TieredShardingOption(ShardingOption):
     def __hash__(self) -> int:
         return hash((super().__hash__(), self.placement, tuple(self.cache_rows)))
 
+    def stored_rows(self, index: int) -> int:
+        """Rows shard ``index`` stores: its rows, or a virtual table's share of its bound."""
+        rows = int(self.shards[index].size[0])
+        if self.live_rows is None:
+            return rows
+        return max(1, math.ceil(self.live_rows * rows / self.table_rows))
+
     def __deepcopy__(self, memo: dict[int, Any] | None) -> TieredShardingOption:
         cls = self.__class__
         result = cls.__new__(cls)
@@ -272,7 +291,8 @@ class TieredShardingOption(ShardingOption):
     @property
     def cache_load_factor_value(self) -> float:
         """The cache as a fraction of rows, one value for all shards (the smallest)."""
-        factors = [c / s.size[0] for c, s in zip(self.cache_rows, self.shards) if s.size[0] > 0]
+        stored = [self.stored_rows(i) for i in range(len(self.shards))]
+        factors = [c / n for c, n in zip(self.cache_rows, stored) if n > 0]
         return min(factors) if factors else 0.0
 
     def total_demand(self) -> dict[Tier, int]:
