@@ -56,7 +56,7 @@ def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
         needed = REF_ROWS
     max_live_rows = needed + rng.randint(0, 40)
     if eviction != "none":
-        max_live_rows = rng.randint(max_live_rows // 3, max_live_rows)
+        max_live_rows = rng.randint(2 * needed // 3, max_live_rows)
     trigger = rng.choice((0, 0, rng.randint(20, 120)))
     capacity_low = max_live_rows * (min(shares) if sharding == "rw" else 1.0)
     batch_rows = 2 * BATCH * MAX_LEN * world  # a step's ids of the table on a rank, at most

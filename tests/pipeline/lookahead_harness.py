@@ -28,7 +28,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -55,6 +55,7 @@ MAX_POOL = 2  # ids per sample and feature: 1 .. MAX_POOL
 ROWS = {"big": 1200, "mid": 300, "small": 50}
 FEATURES = ("f_big", "f_mid", "f_small")
 IO_THREAD = "mtrains-tier-io"
+VIRTUAL_LIVE_ROWS = 700
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,15 @@ class Case:
     sharding: str = "tw"
     steps: int = 16
     seed: int = 0
+    # "big" as a virtual table (ids from a 2**40 space, rows made on first use, count eviction
+    # holding VIRTUAL_LIVE_ROWS)
+    virtual: bool = False
 
     @property
     def id(self) -> str:
         return (
             f"{self.big_tier}-{self.mid_tier}-k{self.depth}-{self.optimizer}-{self.sharding}"
-            f"-s{self.seed}"
+            f"-s{self.seed}" + ("-virtual" if self.virtual else "")
         )
 
 
@@ -133,9 +137,23 @@ def build(
         )
         for name, rows in ROWS.items()
     ]
+    if case.virtual:
+        tables[0] = EmbeddingBagConfig(
+            name="big",
+            embedding_dim=DIM,
+            num_embeddings=2**40,
+            feature_names=["f_big"],
+            use_virtual_table=True,
+            total_num_buckets=2,
+            virtual_table_eviction_policy=CountBasedEvictionPolicy(
+                training_id_eviction_trigger_count=VIRTUAL_LIVE_ROWS // 2 // world_size,
+                eviction_threshold=1,
+                decay_rate=0.5,
+            ),
+        )
     last = world_size - 1
     gens = {
-        "big": row_wise(compute_kernel=TIERED_KERNEL)
+        "big": row_wise(compute_kernel=TIERED_KERNEL, num_buckets=2 if case.virtual else None)
         if case.sharding == "rw"
         else table_wise(rank=last, compute_kernel=TIERED_KERNEL),
         "mid": table_wise(rank=last, compute_kernel=TIERED_KERNEL),
@@ -153,10 +171,17 @@ def build(
     need = cache_rows_needed(case, world_size)
     for name, tier in (("big", case.big_tier), ("mid", case.mid_tier)):
         row_wise_shard = name == "big" and case.sharding == "rw"
-        shard_rows = math.ceil(ROWS[name] / world_size) if row_wise_shard else ROWS[name]
+        virtual = name == "big" and case.virtual
+        rows = VIRTUAL_LIVE_ROWS if virtual else ROWS[name]
+        shard_rows = math.ceil(rows / world_size) if row_wise_shard else rows
         factor = min(1.0, need / shard_rows)
         plan[name] = TieredParameterSharding.wrap(
-            plan[name], TieredTableOptions(tier=tier, cache_load_factor=factor)
+            plan[name],
+            TieredTableOptions(
+                tier=tier,
+                cache_load_factor=factor,
+                max_live_rows=VIRTUAL_LIVE_ROWS if virtual else None,
+            ),
         )
     torch.manual_seed(1234 + case.seed)
     model = DLRMTrain(
@@ -170,12 +195,17 @@ def build(
             dense_device=device,
         )
     )
-    return DistributedModelParallel(
+    built = DistributedModelParallel(
         model,
         device=device,
         plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
         sharders=[sharder],
     )
+    for group in groups_of(built):  # a virtual table's statistics: the same in every run
+        for shard in group.shards:
+            if shard.virtual is not None:
+                shard.virtual.eviction.clock = lambda: 0.0
+    return built
 
 
 def make_optimizer(case: Case, model: DistributedModelParallel) -> torch.optim.Optimizer:

@@ -80,6 +80,8 @@ def assert_same_tiers(a: DistributedModelParallel, b: DistributedModelParallel) 
     [
         Case(big_tier="block_scm", mid_tier="byte_scm", depth=1, optimizer="keyed"),
         Case(big_tier="byte_scm", mid_tier="block_scm", depth=3, optimizer="torch", seed=1),
+        # "big" virtual: rows made and evicted on the worker while batches are in flight
+        Case(depth=3, optimizer="keyed", steps=24, virtual=True),
     ],
     ids=lambda c: c.id,
 )
@@ -132,6 +134,7 @@ def test_world_size_two_is_bitwise_the_plain_run(tmp_path: Path) -> None:
             steps=12,
             seed=3,
         ),
+        Case(depth=2, optimizer="keyed", sharding="rw", steps=12, virtual=True),
     ]
     per_rank = spawn_cases(cases, world_size=2, root=tmp_path)
     for rank, results in enumerate(per_rank):

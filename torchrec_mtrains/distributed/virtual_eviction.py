@@ -138,18 +138,28 @@ class ShardEviction:
         self.clock = clock
         self.count = np.zeros(capacity, dtype=np.float64)
         self.last_used = np.zeros(capacity, dtype=np.float64)
+        # the batch (counted by ``batches``, from 1) that last used each row
+        self.last_batch = np.zeros(capacity, dtype=np.int64)
+        self.batches = 0
         self.rounds = 0
         self.evicted = 0
 
     def touch(self, rows: I64) -> None:
-        """The batch about to train ``rows`` (unique): one more use each, used now."""
+        """The batch being planned trains ``rows`` (unique): one more use each, used now."""
         self.count[rows] += 1.0
         self.last_used[rows] = self.clock()
+        self.last_batch[rows] = self.batches
 
     def made(self, rows: I64) -> None:
-        """``rows`` hold new ids: their statistics start over."""
+        """``rows`` hold new ids, used by the batch being planned: statistics start over."""
         self.count[rows] = 0.0
         self.last_used[rows] = self.clock()
+        self.last_batch[rows] = self.batches
+
+    def recent(self, batches: int) -> I64:
+        """Rows the ``batches`` batches planned before this one used."""
+        used = self.last_batch > 0
+        return np.flatnonzero(used & (self.last_batch >= self.batches - batches)).astype(np.int64)
 
     def due(self, live: int, new: int, capacity: int) -> bool:
         """Whether a round runs before a batch bringing ``new`` ids to ``live`` ones."""

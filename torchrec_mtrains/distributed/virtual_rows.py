@@ -26,6 +26,12 @@ from torchrec_mtrains.tiers.base import RowStore
 
 I64 = npt.NDArray[np.int64]
 
+PROTECTED_BATCHES = 5
+"""An eviction round spares the rows of the batch being planned and of the batches planned
+just before it, this many in all: so a round decides the same with or without the look-ahead
+pipeline (up to 3 batches ahead, whose rows are still in flight: held, or not yet trained), and
+a run trains the same either way."""
+
 
 @dataclass
 class EvictionRecord:
@@ -80,8 +86,10 @@ class VirtualRows:
         rows = self.id_map.lookup(ids_np)
         known = rows != NO_ROW
         new = int((~known).sum())
+        self.eviction.batches += 1
         if self.eviction.due(len(self.id_map), new, self.space.capacity):
-            self._evict_round(rows[known], cache, store, weight_slots, batch)
+            keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
+            self._evict_round(keep, cache, store, weight_slots, batch)
         assigned, made = self.id_map.assign(ids_np, OPTION)
         self.eviction.touch(assigned[known])
         if made.size:
@@ -104,6 +112,7 @@ class VirtualRows:
     ) -> None:
         _, live_rows = self.id_map.live()
         may_go = ~np.isin(live_rows, keep)
+
         slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
         cached = slots >= 0
         held = np.zeros_like(may_go)
