@@ -69,7 +69,7 @@ from torchrec_mtrains.distributed.virtual_state import (
 from torchrec_mtrains.distributed.virtual_state import (
     gather_sizes as _gather_sizes,
 )
-from torchrec_mtrains.distributed.virtual_tables import is_virtual, with_virtual_specs
+from torchrec_mtrains.distributed.virtual_tables import VirtualSpec, is_virtual, with_virtual_specs
 from torchrec_mtrains.initializers import RowAddressedInit
 
 if TYPE_CHECKING:  # what the mixins below are combined with (Any to mypy)
@@ -461,12 +461,13 @@ class _TieredShardedMixin(_ShardedBase):
             config = configs[name]
             buckets = getattr(config, "total_num_buckets", None)
             if not shards:
+                dtype = data_type_to_dtype(config.data_type)
+                columns = len(VirtualSpec.of(config).eviction.columns)
                 empty = LiveRows(
                     torch.empty(0, dtype=torch.int64),
-                    torch.empty(
-                        0, config.embedding_dim, dtype=data_type_to_dtype(config.data_type)
-                    ),
+                    torch.empty(0, config.embedding_dim, dtype=dtype),
                     [],
+                    torch.empty(0, columns, dtype=torch.float64),
                 )
                 local.append((empty, torch.empty(0, 1, dtype=torch.int64)))
                 continue
@@ -489,7 +490,8 @@ class _TieredShardedMixin(_ShardedBase):
             out[f"{key}.{BUCKET_KEY}"] = stacked(
                 bucket, [per_rank[t][1] for per_rank in sizes], rank, pg
             )
-            out[f"{key}.{METADATA_KEY}"] = stacked(rows.metadata, live, rank, pg)
+            if rows.metadata.shape[1]:  # a table that evicts
+                out[f"{key}.{METADATA_KEY}"] = stacked(rows.metadata, live, rank, pg)
         return out
 
     def _load_virtual_state(self, state_dict: dict[str, Any], prefix: str) -> None:

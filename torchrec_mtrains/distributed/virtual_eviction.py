@@ -114,6 +114,20 @@ class EvictionRule:
         return rule
 
     @property
+    def columns(self) -> tuple[str, ...]:
+        """What a state dict keeps of each row for this rule (its ``metadata`` columns): the
+        statistics the rule reads, and the batches since the row was last used (eviction
+        spares recent rows); nothing when the rule never evicts."""
+        if not self.evicts:
+            return ()
+        stats = {
+            EvictionKind.COUNT: ("count",),
+            EvictionKind.TTL: ("last_used",),
+            EvictionKind.MIXED: ("count", "last_used"),
+        }.get(self.kind, ())
+        return (*stats, "batches_ago")
+
+    @property
     def evicts(self) -> bool:
         if self.kind is EvictionKind.NONE:
             return False
@@ -155,6 +169,30 @@ class ShardEviction:
         self.count[rows] = 0.0
         self.last_used[rows] = self.clock()
         self.last_batch[rows] = self.batches
+
+    def export(self, rows: I64) -> F64:
+        """The rule's :attr:`EvictionRule.columns` of ``rows``, ``(len(rows), k)`` float64."""
+        values = {
+            "count": lambda: self.count[rows],
+            "last_used": lambda: self.last_used[rows],
+            "batches_ago": lambda: (self.batches - self.last_batch[rows]).astype(np.float64),
+        }
+        columns = [values[name]() for name in self.rule.columns]
+        return np.stack(columns, axis=1) if columns else np.zeros((len(rows), 0))
+
+    def restore(self, rows: I64, metadata: F64) -> None:
+        """Sets ``rows``' statistics from :meth:`export`'s columns (a load)."""
+        for k, name in enumerate(self.rule.columns):
+            column = metadata[:, k]
+            if name == "count":
+                self.count[rows] = column
+            elif name == "last_used":
+                self.last_used[rows] = column
+            else:  # batches ago, kept as ages: the batch count moves on far enough for them
+                ago = column.astype(np.int64)
+                if len(ago):
+                    self.batches = max(self.batches, int(ago.max()) + 1)
+                self.last_batch[rows] = self.batches - ago
 
     def recent(self, batches: int) -> I64:
         """Rows the ``batches`` batches planned before this one used."""

@@ -6,9 +6,10 @@ it out (``embedding_kernel.create_virtual_sharded_tensors``):
 * ``<prefix>.t.weight``: ``(N, dim)``, the live rows, each rank's sorted by id;
 * ``<prefix>.t.weight_id``: ``(N, 1)`` int64, the id of each row;
 * ``<prefix>.t.bucket``: ``(total_num_buckets, 1)`` int64, live ids per bucket;
-* ``<prefix>.t.metadata``: ``(N, 3)`` float64, what eviction keeps of each row (its use
-  count, when it was last trained in seconds of the eviction clock, wall time by default, and
-  how many batches ago), so that a loaded table evicts as the saved one would have;
+* ``<prefix>.t.metadata``: ``(N, k)`` float64, for a table that evicts, what its rule keeps of
+  each row (its use count, when it was last trained in seconds of the eviction clock, how many
+  batches ago: see ``EvictionRule.columns``), so that a loaded table evicts as the saved one
+  would have;
 
 and the fused optimizer's state for ``t`` holds each state over the same rows, in the same order,
 with ``t.weight_id`` beside it, so it loads alone. ``N`` changes as ids are made and evicted,
@@ -60,9 +61,8 @@ class LiveRows:
     ids: torch.Tensor
     weights: torch.Tensor
     states: list[torch.Tensor]
-    # per row, what eviction keeps of it: its count, when it was last trained (the clock's
-    # seconds) and how many batches ago
-    metadata: torch.Tensor = field(default_factory=lambda: torch.empty(0, 3, dtype=torch.float64))
+    # per row, what its table's eviction rule keeps of it (see EvictionRule.columns)
+    metadata: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.float64))
 
 
 def read_live_rows(shard: TieredTableShard) -> LiveRows:
@@ -88,10 +88,7 @@ def read_live_rows(shard: TieredTableShard) -> LiveRows:
     if data is not None:
         weights.copy_(data[:, :dim])
     ids = torch.from_numpy(local_ids + virtual.space.id_offset)
-    eviction = virtual.eviction
-    ago = (eviction.batches - eviction.last_batch[rows]).astype(np.float64)
-    meta = np.stack([eviction.count[rows], eviction.last_used[rows], ago], axis=1)
-    return LiveRows(ids, weights, states, torch.from_numpy(meta.reshape(len(rows), 3)))
+    return LiveRows(ids, weights, states, torch.from_numpy(virtual.eviction.export(rows)))
 
 
 def gather_sizes(sizes: list[list[int]], pg: dist.ProcessGroup | None) -> list[list[list[int]]]:
@@ -256,14 +253,8 @@ def load_rows(
             start += width
     virtual.eviction.made(rows[made])
     if metadata is not None:
-        meta = metadata.reshape(count, 3).to(torch.float64).numpy()
-        eviction = virtual.eviction
-        eviction.count[rows] = meta[:, 0]
-        eviction.last_used[rows] = meta[:, 1]
-        ago = meta[:, 2].astype(np.int64)
-        if count:  # the batch count moves on far enough to keep every age
-            eviction.batches = max(eviction.batches, int(ago.max()) + 1)
-        eviction.last_batch[rows] = eviction.batches - ago
+        columns = len(virtual.eviction.rule.columns)
+        virtual.eviction.restore(rows, metadata.reshape(count, columns).to(torch.float64).numpy())
     if count:
         order = np.argsort(rows)
         store.write_rows(rows[order], data[order])
