@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -755,33 +755,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         worlds = [int(w) for w in args.world_sizes.split(",")]
         cases = draw_cases(args.sweep, args.seed, worlds)
-    root = Path(tempfile.mkdtemp(prefix="sweep-", dir=args.dir))
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    try:
-        with process_group(backend="gloo"):
-            outcomes = run(cases, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    summary, failures = report(outcomes)
-    for failure in failures:
-        print(failure)
-    print(f"{summary}; {time.perf_counter() - started:.0f} s")
-    return 1 if failures else 0
+    return _run_and_report(lambda root: report(run(cases, root)), args.dir)
 
 
 def _main_virtual(count: int, seed: int, directory: str | None) -> int:
     from tests.parity.virtual_sweep import draw_virtual_cases, run_virtual, virtual_report
 
-    root = Path(tempfile.mkdtemp(prefix="vsweep-", dir=directory))
+    cases = draw_virtual_cases(count, seed)
+    return _run_and_report(lambda root: virtual_report(run_virtual(cases, root)), directory)
+
+
+def _run_and_report(
+    run_cases: Callable[[Path], tuple[str, list[str]]], directory: str | None
+) -> int:
+    """Runs a sweep (its tier files in a temporary directory under ``directory``) in a gloo
+    group, prints its failures and summary; 1 when any case failed."""
+    root = Path(tempfile.mkdtemp(prefix="sweep-", dir=directory))
     torch.set_num_threads(1)
     started = time.perf_counter()
     try:
         with process_group(backend="gloo"):
-            outcomes = run_virtual(draw_virtual_cases(count, seed), root)
+            summary, failures = run_cases(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    summary, failures = virtual_report(outcomes)
     for failure in failures:
         print(failure)
     print(f"{summary}; {time.perf_counter() - started:.0f} s")

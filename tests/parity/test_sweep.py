@@ -136,3 +136,16 @@ def test_the_comparison_sees_one_changed_value(tmp_path: Path) -> None:
         rows[7, 3] = torch.nextafter(rows[7, 3], torch.tensor(1.0))
     tie.load_state_dict(state)
     assert state_differences(ref, tie) == ["emb.embedding_bags.t_a.weight"]
+
+
+def test_a_fixed_seed_slice_of_the_virtual_table_axis_is_exact(tmp_path: Path) -> None:
+    """40 drawn virtual-table configurations (a third at world size 2), bit for bit."""
+    from tests.parity.virtual_sweep import draw_virtual_cases, run_virtual, virtual_report
+
+    cases = draw_virtual_cases(40, SEED)
+    assert {c.world_size for c in cases} == {1, 2}
+    assert {c.eviction for c in cases} >= {"none", "count", "ttl", "mixed", "l2"}
+    outcomes = run_virtual(cases, tmp_path)
+    summary, failures = virtual_report(outcomes)
+    assert not failures, "\n".join([summary, *failures])
+    assert sum(status == "refused" for _, status, _ in outcomes) <= 4, summary
