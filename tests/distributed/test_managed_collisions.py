@@ -17,7 +17,6 @@ import pytest
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -74,25 +73,23 @@ class _Model(nn.Module):
         return self.mc(features)
 
 
-def _build(zch_size: int, root: Path | None, tier: str = "block_scm") -> DistributedModelParallel:
-    """The model sharded by TorchRec's sharders (``root`` None) or with ours underneath."""
+def _build(zch_size: int, root: Path) -> DistributedModelParallel:
+    """The module sharded by TorchRec's managed-collision sharder over ours, the remapped table
+    on the block tier."""
     model = _Model(zch_size)
-    ebc_sharder: EmbeddingBagCollectionSharder = (
-        EmbeddingBagCollectionSharder(fused_params=FUSED_PARAMS)
-        if root is None
-        else TieredEmbeddingBagCollectionSharder(
-            TierStorage(root=str(root)), fused_params=FUSED_PARAMS
-        )
+    ebc_sharder = TieredEmbeddingBagCollectionSharder(
+        TierStorage(root=str(root)), fused_params=FUSED_PARAMS
     )
     sharder = ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc_sharder)
-    kernel = "fused" if root is None else TIERED_KERNEL
     plan = construct_module_sharding_plan(
-        model.mc, {"t_mc": row_wise(compute_kernel=kernel)}, sharder=sharder, device_type="cpu"
+        model.mc,
+        {"t_mc": row_wise(compute_kernel=TIERED_KERNEL)},
+        sharder=sharder,
+        device_type="cpu",
     )
-    if root is not None:
-        plan["t_mc"] = TieredParameterSharding.wrap(
-            plan["t_mc"], TieredTableOptions(tier=tier, cache_load_factor=0.25)
-        )
+    plan["t_mc"] = TieredParameterSharding.wrap(
+        plan["t_mc"], TieredTableOptions(tier="block_scm", cache_load_factor=0.25)
+    )
     return DistributedModelParallel(
         model, plan=ShardingPlan({"mc": plan}), sharders=[sharder], device=torch.device("cpu")
     )
