@@ -476,8 +476,11 @@ class _TieredShardedMixin(_ShardedBase):
             rows = read_live_rows(shard)
             assert shard.virtual is not None
             space = shard.virtual.space
-            counts, total = bucket_counts(rows.ids, config.num_embeddings, buckets)
-            size = config.num_embeddings // total
+            if buckets is None:  # TorchRec's default: a bucket per shard
+                local.append((rows, torch.tensor([[len(rows.ids)]], dtype=torch.int64)))
+                continue
+            counts, _ = bucket_counts(rows.ids, config.num_embeddings, buckets)
+            size = config.num_embeddings // buckets
             first, last = space.id_offset // size, (space.id_offset + space.ids) // size
             local.append((rows, counts[first:last]))
         sizes = _gather_sizes([[len(r.ids), len(b)] for r, b in local], pg)

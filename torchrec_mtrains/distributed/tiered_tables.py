@@ -251,7 +251,8 @@ class TieredTableGroup:
             if space is not None and not created:
                 raise ValueError(
                     f"virtual table {table.name!r}: its tier file exists, but which ids its rows "
-                    "hold is not saved with it yet; start virtual tables on new tier files"
+                    "hold is not kept with it; build the model on new tier files (another "
+                    "TierStorage root, or open_mode='truncate') and load its state dict"
                 )
         if any(shard.cache.backend == "numba" for shard in self.shards):
             compile_kernels()  # now, not while the first batches wait for their rows
@@ -361,9 +362,11 @@ class TieredTableGroup:
         uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
         self._planned_batches += 1
         made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        if any(shard.virtual is not None for shard in self.shards):
-            uniques, made = self._assign_rows(batch, uniques)
         with self._cache_lock:
+            # Virtual tables' ids become rows first; an eviction round reads which slots the
+            # batches in flight hold, which the training thread releases under this lock.
+            if any(shard.virtual is not None for shard in self.shards):
+                uniques, made = self._assign_rows(batch, uniques)
             # Every table must fit before any is planned: planning updates a cache's maps.
             try:
                 for shard, (uniq, _) in zip(self.shards, uniques):

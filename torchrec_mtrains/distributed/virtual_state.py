@@ -5,7 +5,8 @@ it out (``embedding_kernel.create_virtual_sharded_tensors``):
 
 * ``<prefix>.t.weight``: ``(N, dim)``, the live rows, each rank's sorted by id;
 * ``<prefix>.t.weight_id``: ``(N, 1)`` int64, the id of each row;
-* ``<prefix>.t.bucket``: ``(total_num_buckets, 1)`` int64, live ids per bucket;
+* ``<prefix>.t.bucket``: ``(total_num_buckets, 1)`` int64, live ids per bucket (without
+  ``total_num_buckets``, one bucket per shard);
 * ``<prefix>.t.metadata``: ``(N, k)`` float64, for a table that evicts, what its rule keeps of
   each row (its use count, when it was last trained in seconds of the eviction clock, how many
   batches ago: see ``EvictionRule.columns``), so that a loaded table evicts as the saved one
