@@ -380,6 +380,16 @@ def test_the_planner_sizes_a_virtual_table_from_its_bound_and_the_plan_trains(
     assert planned["t_small"].compute_kernel == "fused"
     with pytest.raises(ValueError, match=r"virtual table 't_v': set planner.max_live_rows.t_v"):
         plan(None)
+    with pytest.raises(ValueError, match=r"planner.max_live_rows names t_x: not a virtual table"):
+        plan_tables(
+            _virtual_configs(),
+            host,
+            1,
+            512,
+            None,
+            sharder,
+            config=PlannerConfig(max_live_rows={"t_v": 100_000, "t_x": 5}),
+        )
     with pytest.raises(PlacementError, match=r"dram .* OVER"):  # its id map alone is too big
         plan(10**8)
     # two ranks: a bound one rank cannot hold is split row-wise in whole buckets, as TorchRec's

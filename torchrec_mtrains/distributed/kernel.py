@@ -213,7 +213,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
 
     def __init__(self, *args: Any, tiers: TieredTableGroup, **kwargs: Any) -> None:
         self._tiers = tiers
-        self._pg: dist.ProcessGroup | None = args[2] if len(args) > 2 else kwargs.get("pg")
+        self._virtual_pg: dist.ProcessGroup | None = args[2] if len(args) > 2 else kwargs.get("pg")
         # Loaded state of virtual tables, by shard index, until post_load_state_dict.
         self._virtual_loads: dict[int, dict[str, Any]] = {}
         # TorchRec's constructor lists the state's keys, reading no value: syncing then would
@@ -260,10 +260,10 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         placements = {
             str(md.placement) for md in (shard_global_shards(self._tier_state[param]) or [])
         }
-        rank = dist.get_rank(self._pg) if dist.is_initialized() else 0
-        world = dist.get_world_size(self._pg) if dist.is_initialized() else 1
+        rank = dist.get_rank(self._virtual_pg) if dist.is_initialized() else 0
+        world = dist.get_world_size(self._virtual_pg) if dist.is_initialized() else 1
         if len(placements) > 1:  # row-wise: every rank holds a shard and takes part
-            counts = [c[0][0] for c in gather_sizes([[len(rows.ids)]], self._pg)]
+            counts = [c[0][0] for c in gather_sizes([[len(rows.ids)]], self._virtual_pg)]
         else:  # table-wise: this rank alone holds it
             counts = [len(rows.ids) if r == rank else 0 for r in range(world)]
         keys = list(self._tier_state[param].keys())
@@ -271,7 +271,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         parts[f"{table}.{ID_KEY}"] = rows.ids.reshape(-1, 1)
         out: dict[str, Any] = {}
         for key, value in parts.items():
-            st = stacked(value, counts, rank, self._pg)
+            st = stacked(value, counts, rank, self._virtual_pg)
             # What TorchRec's KeyedOptimizer.load_state_dict calls with the loaded value.
             setattr(st, "load_state_dict", functools.partial(self._keep_loaded, index, key))  # noqa: B010
             out[key] = st

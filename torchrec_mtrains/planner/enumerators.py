@@ -302,6 +302,13 @@ class TieredEnumerator(Enumerator):
                         "offer_tiered_kernel=True"
                     )
                 options.extend(per_table)
+        bounded = {o.name for o in options if getattr(o, "live_rows", None) is not None}
+        stray = sorted(set(ctx.config.max_live_rows) - bounded)
+        if stray:
+            raise ValueError(
+                f"planner.max_live_rows names {', '.join(stray)}: not a virtual table "
+                "(use_virtual_table=True) of the model being planned"
+            )
         if self.assumed_uniform:
             logger.info(
                 "no access profile for %d table(s): assuming uniform access (%s)",
