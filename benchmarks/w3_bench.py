@@ -14,7 +14,8 @@ Variants, in this process, one after the other, from the same dense initial weig
 * ``ours``: each feature a virtual table (``use_virtual_table=True``, ``num_embeddings`` 2**40)
   on ``--tier`` with ``max_live_rows = --live-rows``, its rows made on first use and evicted by
   TorchRec's ``CountBasedEvictionPolicy`` (a round once the table holds more than 90% of the
-  bound, or when a batch does not fit).
+  bound, or when a batch does not fit), trained by the look-ahead pipeline (the next
+  ``--lookahead`` batches' rows made and read while one trains; 0: the plain loop).
 
 Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches (samples/s
 over the timed steps), then is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
@@ -49,6 +50,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -66,7 +68,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
-from torchrec_mtrains.pipeline import tier_stats
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats
 
 FEATURES = ("user", "item")
 ID_SPACE = 2**40
@@ -123,14 +125,28 @@ def kjt(ids: dict[str, torch.Tensor], modulo: int = 0) -> KeyedJaggedTensor:
 
 
 class Model(nn.Module):
+    """Embeddings -> 16 -> 1; called with a torchrec ``Batch`` as TorchRec's train pipelines
+    call a model: returns the loss, and (loss, logits) as the output a pipeline hands back."""
+
     def __init__(self, ebc: EmbeddingBagCollection, dim: int) -> None:
         super().__init__()
         self.ebc = ebc
         torch.manual_seed(0)
         self.dense = nn.Sequential(nn.Linear(2 * dim, 16), nn.ReLU(), nn.Linear(16, 1))
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.dense(self.ebc(features).values()).squeeze(1)
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        logits = self.dense(self.ebc(batch.sparse_features).values()).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach())
+
+
+def as_batch(raw: tuple[dict[str, torch.Tensor], torch.Tensor], modulo: int) -> Batch:
+    ids, labels = raw
+    return Batch(
+        dense_features=torch.zeros(len(labels), 1),
+        sparse_features=kjt(ids, modulo),
+        labels=labels,
+    )
 
 
 def _init(name: str, dim: int) -> IdSeededUniform:
@@ -194,9 +210,9 @@ def build(
 def step(
     model: DistributedModelParallel, opt: torch.optim.Optimizer, batch: Any, modulo: int
 ) -> torch.Tensor:
-    ids, labels = batch
+    """One step of the plain loop (the fused tables update inside backward)."""
     opt.zero_grad()
-    loss = nn.functional.binary_cross_entropy_with_logits(model(kjt(ids, modulo)), labels)
+    loss, _ = model(as_batch(batch, modulo))
     torch.autograd.backward(loss)
     opt.step()
     return loss.detach()
@@ -228,9 +244,9 @@ def evaluate(
 ) -> tuple[float, float]:
     logits, labels = [], []
     with torch.no_grad():
-        for ids, y in batches:
-            logits.append(model(kjt(ids, modulo)))
-            labels.append(y)
+        for raw in batches:
+            logits.append(model(as_batch(raw, modulo))[1][1])
+            labels.append(raw[1])
     return ne_and_auc(torch.cat(logits), torch.cat(labels))
 
 
@@ -261,14 +277,30 @@ def run(
     for _ in range(args.warmup):
         step(model, opt, stream.batch(), modulo)
     batches = [stream.batch() for _ in range(args.steps)]
+    lookahead = args.lookahead if variant == "ours" else 0
     started = time.perf_counter()
     losses = []
-    for i, batch in enumerate(batches):
-        losses.append(step(model, opt, batch, modulo))
+
+    def note_live(i: int) -> None:
         if variant == "ours" and i % max(1, args.steps // 40) == 0:
             live.append(
                 (args.warmup + i, sum(int(s["live_rows"]) for s in tier_stats(model).values()))
             )
+
+    if lookahead:  # the look-ahead pipeline: rows of the next batches made and read meanwhile
+        pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+            model, opt, torch.device("cpu"), lookahead=lookahead
+        )
+        with pipeline:
+            it = iter([as_batch(b, modulo) for b in batches])
+            for i in range(len(batches)):
+                loss, _ = pipeline.progress(it)
+                losses.append(loss)
+                note_live(i)
+    else:
+        for i, batch in enumerate(batches):
+            losses.append(step(model, opt, batch, modulo))
+            note_live(i)
     seconds = time.perf_counter() - started
     ne, auc = evaluate(model, eval_batches, modulo)
     out: dict[str, Any] = {
@@ -350,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--live-rows", type=int, default=2**19, help="ours: max_live_rows per table"
     )
     parser.add_argument("--tier", default="byte_scm")
+    parser.add_argument(
+        "--lookahead", type=int, default=2, help="ours: batches read ahead (0: the plain loop)"
+    )
     parser.add_argument("--cache-load-factor", type=float, default=0.05)
     parser.add_argument("--eval-batches", type=int, default=10)
     parser.add_argument("--check-rows", type=int, default=2**12)
