@@ -12,6 +12,10 @@ plan keeps on TorchRec's own kernels, keep all their rows in the module where To
 would keep them, and their ids go to fbgemm unchanged. So a lookup runs the fbgemm modules the
 FUSED model runs, over the same tables in the same order, and its features and output columns
 are where TorchRec puts them.
+
+Why one file over ~600 lines: the pooled and the sequence kernel share their mixin and the fused
+optimizer that exposes their tiers' state (a virtual table's as live rows); the storage side is
+:mod:`.tiered_tables`.
 """
 
 from __future__ import annotations

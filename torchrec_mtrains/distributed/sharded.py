@@ -5,7 +5,12 @@ raises for ``CUSTOMIZED_KERNEL``, and skip such tables when they build state dic
 subclasses supply grouped lookups that create the tiered kernels, expose each tiered table as a
 ``ShardedTensor`` viewing its tier (split into row chunks, so checkpointing never materializes a
 table), load state dicts into the tiers chunk by chunk, and initialize tiered tables chunk by
-chunk. Tables on TorchRec's own kernels are untouched.
+chunk; a virtual table's state dict entries are its live rows, built at each call (see
+:mod:`.virtual_state`). Tables on TorchRec's own kernels are untouched.
+
+Why one file over ~600 lines: the EBC and EC subclasses share one mixin, and its state handling
+(views, chunking, loads, virtual tables' live rows) runs from TorchRec's hooks on the module;
+each part reads with those hooks beside it. The row-level work lives in the modules it calls.
 """
 
 from __future__ import annotations
