@@ -50,6 +50,22 @@ class IdAddressedInit(RowAddressedInit, Protocol):
     def fill_ids(self, rows: torch.Tensor, ids: torch.Tensor, first_col: int = 0) -> None: ...
 
 
+def fill_weight(init: RowAddressedInit, weight: Any) -> Any:
+    """Fills ``weight`` with ``init`` by place: each local shard of a ``ShardedTensor`` at its
+    offsets, a plain tensor as the whole table; nothing for a meta or empty tensor (a module
+    built on meta, a rank without the table)."""
+    if isinstance(weight, torch.Tensor) and (weight.is_meta or weight.numel() == 0):
+        return weight
+    with torch.no_grad():
+        if isinstance(weight, ShardedTensor):
+            for shard in weight.local_shards():
+                row, col = [*shard.metadata.shard_offsets, 0, 0][:2]
+                init.fill(shard.tensor, int(row), int(col))
+        else:
+            init.fill(weight, 0, 0)
+    return weight
+
+
 @dataclass(frozen=True)
 class RowSeededUniform:
     """``U(low, high)`` per element, the same for a row whatever shard or chunk holds it.
@@ -73,16 +89,7 @@ class RowSeededUniform:
     def __call__(self, weight: Any) -> Any:
         """TorchRec's entry: fills a table's weight, a ``ShardedTensor`` (each local shard at
         its offsets) or a whole table as one tensor."""
-        if isinstance(weight, torch.Tensor) and (weight.is_meta or weight.numel() == 0):
-            return weight  # nothing to fill: a module built on meta, a rank without the table
-        with torch.no_grad():
-            if isinstance(weight, ShardedTensor):
-                for shard in weight.local_shards():
-                    row, col = [*shard.metadata.shard_offsets, 0, 0][:2]
-                    self.fill(shard.tensor, int(row), int(col))
-            else:
-                self.fill(weight, 0, 0)
-        return weight
+        return fill_weight(self, weight)
 
     def fill(self, rows: torch.Tensor, first_row: int, first_col: int = 0) -> None:
         """Fills ``rows`` with the table's rows ``first_row ..`` and its columns
@@ -159,7 +166,7 @@ class IdSeededUniform:
     def __call__(self, weight: Any) -> Any:
         """TorchRec's entry: fills a table's weight, a ``ShardedTensor`` (each local shard at
         its offsets) or a whole table as one tensor."""
-        return RowSeededUniform.__call__(self, weight)  # type: ignore[arg-type]  # same protocol
+        return fill_weight(self, weight)
 
     def fill(self, rows: torch.Tensor, first_row: int, first_col: int = 0) -> None:
         """Fills ``rows`` with the table's rows ``first_row ..`` (ids), columns

@@ -234,7 +234,9 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         virtual = self._virtual_params()
         if not virtual:
             return self._tier_state
-        # A virtual table's state: its live rows, as its module's state dict holds them.
+        # A virtual table's state: its live rows, as its module's state dict holds them, read
+        # from the tiers once the caches are written back.
+        self._tiers.flush()
         out = dict(self._tier_state)
         for param, (index, table) in virtual.items():
             out[param] = self._virtual_state(param, index, table)
@@ -255,11 +257,11 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         return out
 
     def _virtual_state(self, param: Any, index: int, table: str) -> dict[str, Any]:
-        """Live-row ShardedTensors of a virtual table's optimizer states and ids; loading into
-        them (TorchRec's ``KeyedOptimizer.load_state_dict`` calls each one's
-        ``load_state_dict``) keeps what is loaded until :meth:`post_load_state_dict`."""
+        """Live-row ShardedTensors of a virtual table's optimizer states and ids (the caller
+        has flushed the caches); loading into them (TorchRec's
+        ``KeyedOptimizer.load_state_dict`` calls each one's ``load_state_dict``) keeps what is
+        loaded until :meth:`post_load_state_dict`."""
         shard = self._tiers.shards[index]
-        self._tiers.flush()
         rows = read_live_rows(shard)
         placements = {
             str(md.placement) for md in (shard_global_shards(self._tier_state[param]) or [])

@@ -459,6 +459,7 @@ class _TieredShardedMixin(_ShardedBase):
             dist.get_rank(env.process_group) if dist.is_initialized() else 0,
         )
         local: list[tuple[LiveRows, torch.Tensor]] = []
+        flushed: set[int] = set()
         for name in names:
             shards = self._virtual_shards(name)
             if len(shards) > 1:
@@ -477,7 +478,9 @@ class _TieredShardedMixin(_ShardedBase):
                 local.append((empty, torch.empty(0, 1, dtype=torch.int64)))
                 continue
             group, _, shard = shards[0]
-            group.flush()
+            if id(group) not in flushed:  # its rows are read from the tiers
+                group.flush()
+                flushed.add(id(group))
             rows = read_live_rows(shard)
             assert shard.virtual is not None
             space = shard.virtual.space
