@@ -34,10 +34,11 @@ from tests.distributed.virtual_harness import (
     outputs,
     run_case,
     spawn_cases,
+    train_steps,
     virtual_shards,
 )
 from torchrec_mtrains.cache.id_map import VirtualTableFullError
-from torchrec_mtrains.checkpoint import CheckpointManager, expand_for_load
+from torchrec_mtrains.checkpoint import expand_for_load
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -193,7 +194,7 @@ def test_plans_the_tiers_cannot_run_are_refused_naming_table_and_option(
         _shard(ebc, tmp_path, **setup)  # type: ignore[arg-type]
 
 
-def test_bad_ids_a_full_table_and_checkpoint_chains_get_one_line_errors(tmp_path: Path) -> None:
+def test_bad_ids_and_a_full_table_get_one_line_errors(tmp_path: Path) -> None:
     model = _shard(_ebc(), tmp_path)
     with pytest.raises(OutOfRangeIdError, match=r"table 't_v'.*1099511627776"):
         model(_kjt([3, 2**40]))
@@ -206,8 +207,6 @@ def test_bad_ids_a_full_table_and_checkpoint_chains_get_one_line_errors(tmp_path
     assert shard.stats()["live_rows"] == 4 and shard.stats()["rows_made"] == 4
     model(_kjt(list(range(100, 106))))
     assert tier_stats(model)["t_v"]["live_rows"] == 10
-    with pytest.raises(ValueError, match=r"virtual tables 't_v': checkpoint chains"):
-        CheckpointManager(tmp_path / "ckpt", model, model.fused_optimizer)
 
 
 def test_a_row_wise_plan_must_split_ids_as_torchrecs_buckets_route_them(tmp_path: Path) -> None:
@@ -223,21 +222,6 @@ def test_a_row_wise_plan_must_split_ids_as_torchrecs_buckets_route_them(tmp_path
 # ----------------------------------------------------------------------------- state
 
 
-def _train(model: DistributedModelParallel, case: VirtualCase, steps: range) -> list[torch.Tensor]:
-    """Trains ``steps``, a minute of the tables' clock each (TTLs are in minutes)."""
-    clock = [0.0]
-    for shard in virtual_shards(model):
-        shard.eviction.clock = lambda: clock[0]
-    out = []
-    for step in steps:
-        clock[0] = 60.0 * step
-        _, virt = batch(case, 0, step)
-        values = outputs(case, model(virt))
-        values.square().sum().backward()
-        out.append(values.detach())
-    return out
-
-
 @pytest.mark.parametrize(
     ("optimizer", "eviction", "bound", "optimizer_first"),
     [
@@ -251,7 +235,7 @@ def test_state_dicts_hold_live_rows_and_a_loaded_model_trains_on_exactly(
 ) -> None:
     case = VirtualCase(optimizer=optimizer, eviction=eviction, max_live_rows=bound)
     saved = build_model(case, 1, tmp_path / "a")
-    _train(saved, case, range(8))
+    train_steps(saved, case, range(8))
     state, optim = saved.state_dict(), saved.fused_optimizer.state_dict()
     key = "embedding_bags.t_virtual"
     live = int(virtual_shards(saved)[0].stats()["live_rows"])
@@ -281,7 +265,9 @@ def test_state_dicts_hold_live_rows_and_a_loaded_model_trains_on_exactly(
             state[f"{key}.{part}"].local_shards()[0].tensor,
         ), part
     # the loaded model goes on exactly as the one that saved it (evictions included)
-    for a, b in zip(_train(saved, case, range(8, 16)), _train(loaded, case, range(8, 16))):
+    for a, b in zip(
+        train_steps(saved, case, range(8, 16)), train_steps(loaded, case, range(8, 16))
+    ):
         assert torch.equal(a, b)
 
 

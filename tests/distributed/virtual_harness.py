@@ -47,6 +47,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.distributed.parity_harness import OPTIMIZERS
+from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
     TieredParameterSharding,
@@ -98,6 +99,9 @@ class VirtualCase:
     # state_dict() and its optimizer's (in that order, or the optimizer's first)
     reload_at: int = 0
     optimizer_first: bool = False
+    # how: "state_dicts", or "chain": a checkpoint chain (a full link, then an incremental
+    # one a step up to reload_at) restored by CheckpointManager
+    reload_from: str = "state_dicts"
 
     @property
     def id(self) -> str:
@@ -303,6 +307,24 @@ def outputs(case: VirtualCase, out: Any) -> torch.Tensor:
     return torch.cat([out[f].values() for f in ("f0", "f1", "f2")])
 
 
+def train_steps(
+    model: DistributedModelParallel, case: VirtualCase, steps: range
+) -> list[torch.Tensor]:
+    """Trains the virtual model on rank 0's batches of ``steps``, a minute of its tables'
+    clock each (TTLs are in minutes); returns each step's outputs."""
+    clock = [0.0]
+    for shard in virtual_shards(model):
+        shard.eviction.clock = lambda: clock[0]
+    out = []
+    for step in steps:
+        clock[0] = STEP_SECONDS * step
+        _, virt = batch(case, 0, step)
+        values = outputs(case, model(virt))
+        values.square().sum().backward()
+        out.append(values.detach())
+    return out
+
+
 @dataclass
 class VirtualResult:
     case: VirtualCase
@@ -326,11 +348,18 @@ def run_case(
     tie = build_model(case, world_size, root)
     clock = [0.0]
     shards = _watch(tie, clock)
+    chain = case.reload_from == "chain" and case.reload_at > 0
+    manager = _chain_manager(tie, root) if chain else None
     mismatched, largest = None, 0.0
     for step in range(case.steps):
         clock[0] = step * STEP_SECONDS
+        if manager is not None and case.reload_at - 3 <= step <= case.reload_at:
+            manager.save(step)  # the first is full, the others build on it
         if step and step == case.reload_at:
-            tie, shards = _reloaded(case, tie, world_size, root / f"reload{step}", clock, step)
+            if manager is not None:
+                tie, shards = _restored(case, world_size, root / f"reload{step}", clock, step)
+            else:
+                tie, shards = _reloaded(case, tie, world_size, root / f"reload{step}", clock, step)
         ref_batch, virt_batch = batch(case, rank, step)
         b = outputs(case, tie(virt_batch))
         for shard in shards if reset_reference else ():
@@ -378,6 +407,25 @@ def _reloaded(
         fresh.fused_optimizer.load_state_dict(optim)
     for shard in shards:
         shard.batches_before = step  # its group counts batches from 1 again
+    return fresh, shards
+
+
+def _chain_manager(model: DistributedModelParallel, root: Path) -> CheckpointManager:
+    options = CheckpointOptions(full_every=4, keep=None)
+    return CheckpointManager(root / "chain", model, model.fused_optimizer, options)
+
+
+def _restored(
+    case: VirtualCase, world_size: int, root: Path, clock: list[float], step: int
+) -> tuple[DistributedModelParallel, list[VirtualRows]]:
+    """A new virtual model restored from the chain saved up to ``step`` (see
+    :func:`_chain_manager`), watched as :func:`_reloaded`'s."""
+    fresh = build_model(case, world_size, root)
+    shards = _watch(fresh, clock)
+    link = _chain_manager(fresh, root.parent).restore()
+    assert link is not None and link.step == step and link.parent is not None, link
+    for shard in shards:
+        shard.batches_before = step
     return fresh, shards
 
 

@@ -4,8 +4,8 @@ Each case (:class:`tests.distributed.virtual_harness.VirtualCase`) draws the id 
 2**50 ids, 2 to 8 buckets), the sharding (table- or row-wise), the world size (1 or 2), the
 store (every tier and layout), EBC or EC (weighted or not), the optimizer, the cache size and
 policy, the bound on live rows, the eviction policy with its trigger, and whether the model is
-replaced midway by one loaded from its state dicts (module and optimizer, in either order), and
-is compared step by step with a FUSED table of the rows its ids stand for (see the harness).
+replaced midway by one loaded from its state dicts (module and optimizer, in either order) or
+restored from a checkpoint chain (a full link, then incremental ones), and is compared step by step with a FUSED table of the rows its ids stand for (see the harness).
 
 Run it::
 
@@ -80,6 +80,7 @@ def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
         world_size=world,
         reload_at=rng.choice((0, 0, rng.randint(1, steps - 1))),
         optimizer_first=rng.random() < 0.5,
+        reload_from=rng.choice(("state_dicts", "chain")),
     )
 
 

@@ -2,8 +2,10 @@
 without tiered tables: full and incremental links through ``torch.distributed.checkpoint``,
 each incremental one naming its parent, retention, and a restore from the newest complete link
 at any world size (:class:`CheckpointManager`). :class:`CheckpointDirectory` reads and tidies a
-directory of links without a model. :func:`expand_for_load` readies a state dict holding
-virtual tables for ``torch.distributed.checkpoint.load`` (their live rows change size)."""
+directory of links without a model. Virtual tables are held by their live rows (an incremental
+link: those that changed, and the ids evicted). :func:`expand_for_load` readies a state dict
+holding virtual tables for a plain ``torch.distributed.checkpoint.load`` (their live rows change
+size)."""
 
 from torchrec_mtrains.checkpoint.chain import CheckpointDirectory, on_rank0, read_link
 from torchrec_mtrains.checkpoint.manager import CheckpointManager
@@ -16,7 +18,7 @@ from torchrec_mtrains.checkpoint.types import (
     Link,
     NoLoadableLinkError,
 )
-from torchrec_mtrains.distributed.virtual_state import expand_for_load
+from torchrec_mtrains.distributed.virtual_checkpoints import expand_for_load
 
 __all__ = [
     "DONE_FILE",

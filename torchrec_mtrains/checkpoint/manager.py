@@ -5,7 +5,9 @@ A link holds the model's ``state_dict()`` and the optimizer's (``{"model": ..., 
 ...}``), tiered tables streamed from their tiers. An incremental link holds, of the tiered
 tables (and the resident tables their kernels compute), only the rows training changed since
 the link before it, its parent; every other tensor whole (dense layers, TorchRec's own tables,
-the dense optimizer). Every ``full_every``-th link of a chain is full. A restore loads the
+the dense optimizer); of a virtual table, its rows that changed and the ids evicted since
+(see :mod:`~torchrec_mtrains.distributed.virtual_checkpoints`). Every ``full_every``-th link of
+a chain is full. A restore loads the
 full link, then each increment in order, each rank reading the rows that fall in its own
 shards (:func:`~torchrec_mtrains.distributed.incremental.load_tier_checkpoint`), so a chain
 saved at one world size loads at another.
@@ -13,6 +15,7 @@ saved at one world size loads at another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,6 +59,7 @@ from torchrec_mtrains.distributed.incremental import (
     load_tier_checkpoint,
     track_changes,
 )
+from torchrec_mtrains.distributed.virtual_checkpoints import ChainLoad, saving_changes
 from torchrec_mtrains.pipeline.stats import tiered_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -115,13 +119,13 @@ class CheckpointManager:
         )
         self.options = options or CheckpointOptions()
         self._groups = tiered_groups(model)
-        virtual = sorted({s.name for g in self._groups for s in g.shards if s.virtual is not None})
-        if virtual:
-            raise ValueError(
-                f"virtual tables {', '.join(repr(n) for n in virtual)}: checkpoint chains do not "
-                "hold virtual tables yet; save them with torch.distributed.checkpoint "
-                "(model.state_dict() holds their live rows; see expand_for_load to load them)"
-            )
+        # virtual tables' eviction rules, by table: how rows an increment does not hold age
+        self._rules = {
+            s.name: s.virtual.space.spec.eviction
+            for g in self._groups
+            for s in g.shards
+            if s.virtual is not None
+        }
         self._last: Link | None = None
         if self.options.full_every > 1:
             track_changes(self._groups)  # incremental links hold only the rows training changed
@@ -161,7 +165,8 @@ class CheckpointManager:
         groups = self._groups
         try:
             # Log-structured tables are read from their tiers, never exported to their views.
-            with deferred_views(groups):
+            changes = saving_changes(groups) if parent is not None else contextlib.nullcontext()
+            with deferred_views(groups), changes:
                 state = self._state()
                 saved = (
                     full_state_dict(state, groups)
@@ -281,11 +286,15 @@ class CheckpointManager:
         _build_lazy_states(self.optimizer, chain[0].path)
         with deferred_views(groups):
             state = self._state()
+            virtual = ChainLoad(state, self._rules)
             for i, member in enumerate(chain):
                 try:
                     # The first is full; the others hold the tiered rows that changed since
-                    # the one before. Log-structured tiers get their rows appended.
+                    # the one before. Log-structured tiers get their rows appended; virtual
+                    # tables' changes are merged into the rows the links before loaded.
+                    virtual.before(member.path, incremental=i > 0)
                     load_tier_checkpoint(state, member.path, groups, incremental=i > 0)
+                    virtual.after()
                 except (Exception, CheckpointException) as e:
                     via = f" (which {link.path} builds on)" if member.path != link.path else ""
                     raise CheckpointError(

@@ -63,7 +63,10 @@ from torchrec_mtrains.distributed.sharded_state import (
 )
 from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
 from torchrec_mtrains.distributed.virtual_state import (
+    EVICTED_KEY,
     ID_KEY,
+    SAVING_CHANGES,
+    evicted_since,
     gather_incoming,
     gather_sizes,
     load_rows,
@@ -268,19 +271,25 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         }
         rank = dist.get_rank(self._virtual_pg) if dist.is_initialized() else 0
         world = dist.get_world_size(self._virtual_pg) if dist.is_initialized() else 1
+        # an incremental checkpoint's: the ids evicted since the last one
+        evicted = evicted_since(shard) if SAVING_CHANGES.get() else None
+        local = [len(rows.ids), 0 if evicted is None else len(evicted)]
         if len(placements) > 1:  # row-wise: every rank holds a shard and takes part
-            counts = [c[0][0] for c in gather_sizes([[len(rows.ids)]], self._virtual_pg)]
+            sizes = [c[0] for c in gather_sizes([local], self._virtual_pg)]
         else:  # table-wise: this rank alone holds it
-            counts = [len(rows.ids) if r == rank else 0 for r in range(world)]
+            sizes = [local if r == rank else [0, 0] for r in range(world)]
         keys = list(self._tier_state[param].keys())
         parts = {k: v for k, v in zip(keys, rows.states)}
         parts[f"{table}.{ID_KEY}"] = rows.ids.reshape(-1, 1)
         out: dict[str, Any] = {}
         for key, value in parts.items():
-            st = stacked(value, counts, rank, self._virtual_pg)
+            st = stacked(value, [s[0] for s in sizes], rank, self._virtual_pg)
             # What TorchRec's KeyedOptimizer.load_state_dict calls with the loaded value.
             setattr(st, "load_state_dict", functools.partial(self._keep_loaded, index, key))  # noqa: B010
             out[key] = st
+        if evicted is not None:
+            counts = [s[1] for s in sizes]
+            out[f"{table}.{EVICTED_KEY}"] = stacked(evicted, counts, rank, self._virtual_pg)
         return out
 
     def _keep_loaded(self, index: int, key: str, value: Any) -> None:

@@ -61,14 +61,20 @@ from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.distributed.virtual_state import (
     BUCKET_KEY,
+    EVICTED_KEY,
     ID_KEY,
     METADATA_KEY,
+    SAVING_CHANGES,
+    SINCE_COLUMNS,
+    SINCE_KEY,
     LiveRows,
     bucket_counts,
+    evicted_since,
     gather_incoming,
     load_rows,
     read_live_rows,
     select_range,
+    since_parent,
     stacked,
 )
 from torchrec_mtrains.distributed.virtual_state import (
@@ -458,7 +464,10 @@ class _TieredShardedMixin(_ShardedBase):
             env.process_group,
             dist.get_rank(env.process_group) if dist.is_initialized() else 0,
         )
+        increment = SAVING_CHANGES.get()
         local: list[tuple[LiveRows, torch.Tensor]] = []
+        # an incremental checkpoint's: per table, ids evicted since the last, and since_parent
+        changes: list[tuple[torch.Tensor, torch.Tensor]] = []
         flushed: set[int] = set()
         for name in names:
             shards = self._virtual_shards(name)
@@ -476,6 +485,9 @@ class _TieredShardedMixin(_ShardedBase):
                     torch.empty(0, columns, dtype=torch.float64),
                 )
                 local.append((empty, torch.empty(0, 1, dtype=torch.int64)))
+                if increment:
+                    none = torch.empty(0, 1, dtype=torch.int64)
+                    changes.append((none, torch.empty(0, len(SINCE_COLUMNS), dtype=torch.int64)))
                 continue
             group, _, shard = shards[0]
             if id(group) not in flushed:  # its rows are read from the tiers
@@ -483,6 +495,8 @@ class _TieredShardedMixin(_ShardedBase):
                 flushed.add(id(group))
             rows = read_live_rows(shard)
             assert shard.virtual is not None
+            if increment:
+                changes.append((evicted_since(shard), since_parent(shard)))
             space = shard.virtual.space
             if buckets is None:  # TorchRec's default: a bucket per shard
                 local.append((rows, torch.tensor([[len(rows.ids)]], dtype=torch.int64)))
@@ -491,7 +505,11 @@ class _TieredShardedMixin(_ShardedBase):
             size = config.num_embeddings // buckets
             first, last = space.id_offset // size, (space.id_offset + space.ids) // size
             local.append((rows, counts[first:last]))
-        sizes = _gather_sizes([[len(r.ids), len(b)] for r, b in local], pg)
+        # per table: live rows, buckets (and an increment's evicted ids and shard records)
+        local_sizes = [[len(r.ids), len(b)] for r, b in local]
+        for count, (evicted, since) in zip(local_sizes, changes):
+            count += [len(evicted), len(since)]
+        sizes = _gather_sizes(local_sizes, pg)
         out: dict[str, Any] = {}
         for t, (name, (rows, bucket)) in enumerate(zip(names, local)):
             key = f"{prefix}{self._tables_attr}.{name}"
@@ -503,6 +521,11 @@ class _TieredShardedMixin(_ShardedBase):
             )
             if rows.metadata.shape[1]:  # a table that evicts
                 out[f"{key}.{METADATA_KEY}"] = stacked(rows.metadata, live, rank, pg)
+            if increment:
+                evicted, since = changes[t]
+                for part, value, column in ((EVICTED_KEY, evicted, 2), (SINCE_KEY, since, 3)):
+                    counts_t = [per_rank[t][column] for per_rank in sizes]
+                    out[f"{key}.{part}"] = stacked(value, counts_t, rank, pg)
         return out
 
     def _load_virtual_state(self, state_dict: dict[str, Any], prefix: str) -> None:

@@ -713,6 +713,9 @@ class TieredTableGroup:
             ]
             for table in self.resident:
                 table.changed = torch.zeros(table.rows, dtype=torch.bool, device=HOST)
+            for shard in self.shards:
+                if shard.virtual is not None:  # rows looked up or made, ids evicted
+                    shard.virtual.track_changes()
 
     def changed_rows(self, index: int) -> torch.Tensor | None:
         """Which local rows of shard ``index`` training changed since :meth:`clear_changes`, as
@@ -726,6 +729,9 @@ class TieredTableGroup:
                 changed.zero_()
             for table in self.resident:
                 table.changed.zero_()
+            for shard in self.shards:
+                if shard.virtual is not None:
+                    shard.virtual.clear_changes()
 
     # ------------------------------------------------------------ writes through the views
 

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from torchrec_mtrains.cache.id_map import NO_ROW, VirtualRowMap
+from torchrec_mtrains.cache.id_map import EMPTY, NO_ROW, VirtualRowMap
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.virtual_eviction import Clock, ShardEviction
 from torchrec_mtrains.distributed.virtual_tables import OPTION, VirtualShard
@@ -43,6 +43,24 @@ class EvictionRecord:
 
 
 @dataclass
+class ShardChanges:
+    """What changed in a virtual table shard since its changes were last cleared (the last
+    checkpoint), beyond the rows training wrote: rows given to an id, looked up or loaded
+    (whose statistics moved), the ids evicted, and the eviction rounds and batches since."""
+
+    touched: npt.NDArray[np.bool_]
+    evicted: list[I64] = field(default_factory=list)
+    rounds_before: int = 0
+    batches_before: int = 0
+
+    def evicted_ids(self) -> I64:
+        """The shard-local ids evicted since, each once."""
+        if not self.evicted:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(self.evicted))
+
+
+@dataclass
 class VirtualRows:
     """Live ids, new rows and evictions of one virtual table shard.
 
@@ -59,11 +77,49 @@ class VirtualRows:
     history: list[EvictionRecord] | None = field(default=None, repr=False)
     # batches its group planned before this shard existed (a tool's offset for ``history``)
     batches_before: int = 0
+    # tracked for incremental checkpoints once asked for (see track_changes)
+    changes: ShardChanges | None = field(default=None, repr=False)
+    # while a checkpoint of the changes is taken: the store rows it holds (see saving_changes)
+    saving: I64 | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.id_map = VirtualRowMap(self.name, self.space.capacity)
         kwargs = {} if self.clock is None else {"clock": self.clock}
         self.eviction = ShardEviction(self.space.spec.eviction, self.space.capacity, **kwargs)
+
+    # --------------------------------------------------------------- changes since a checkpoint
+
+    def track_changes(self) -> None:
+        """Starts recording what :class:`ShardChanges` holds (one byte per store row)."""
+        if self.changes is None:
+            self.changes = ShardChanges(np.zeros(self.space.capacity, dtype=np.bool_))
+            self.clear_changes()
+
+    def clear_changes(self) -> None:
+        """Nothing changed from now on: a checkpoint (or a load) and the shard agree."""
+        if self.changes is not None:
+            self.changes.touched[:] = False
+            self.changes.evicted.clear()
+            self.changes.rounds_before = self.eviction.rounds
+            self.changes.batches_before = self.eviction.batches
+
+    def loaded(self, rows: I64, replaced_ids: I64) -> None:
+        """A load gave ``rows`` their values and statistics and dropped the shard-local
+        ``replaced_ids`` (live before it, perhaps live again after)."""
+        if self.changes is not None:
+            self.changes.touched[rows] = True
+            if replaced_ids.size:
+                self.changes.evicted.append(replaced_ids.copy())
+
+    def changed_live_rows(self, trained: torch.Tensor | None) -> I64:
+        """The store rows of live ids that changed since the changes were cleared: rows
+        ``trained`` marks (a bool per store row), and rows given, looked up or loaded."""
+        assert self.changes is not None
+        changed = self.changes.touched.copy()
+        if trained is not None:
+            changed |= trained.numpy()
+        changed &= self.id_map.row_ids != EMPTY
+        return np.flatnonzero(changed).astype(np.int64)
 
     def record_evictions(self) -> None:
         """Keeps every round's evicted ids in :attr:`history` from now on (tests, tools)."""
@@ -91,6 +147,8 @@ class VirtualRows:
             keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
             self._evict_round(keep, cache, store, weight_slots, batch)
         assigned, made = self.id_map.assign(ids_np, OPTION)
+        if self.changes is not None:
+            self.changes.touched[assigned] = True
         self.eviction.touch(assigned[known])
         if made.size:
             self.eviction.made(assigned[made])
@@ -128,6 +186,8 @@ class VirtualRows:
             return
         gone_ids = self.id_map.row_ids[gone].copy()
         self.id_map.remove(gone_ids)
+        if self.changes is not None:
+            self.changes.evicted.append(gone_ids)
         if self.history is not None:
             self.history.append(EvictionRecord(batch, gone_ids + self.space.id_offset))
 

@@ -23,13 +23,16 @@ A load (``load_state_dict``) replaces the live ids of each shard by those of the
 that fall in its id range, whatever world size wrote them (so a load at another world size
 re-buckets the rows); an id already live keeps its optimizer state, a new one starts at zero,
 until the optimizer's state is loaded (in either order). ``torch.distributed.checkpoint``
-loads into tensors of the sizes it saved: :func:`expand_for_load` sizes a state dict's virtual
-entries from a checkpoint's metadata first. (The app's incremental checkpoint chains do not hold
-virtual tables yet.)
+loads into tensors of the sizes it saved:
+:func:`~torchrec_mtrains.distributed.virtual_checkpoints.expand_for_load` sizes a state dict's
+virtual entries from a checkpoint's metadata first. An incremental checkpoint (taken within
+:func:`~torchrec_mtrains.distributed.virtual_checkpoints.saving_changes`) holds the rows that
+changed, the ids evicted (``evicted_id``) and how the other rows aged (``since_parent``).
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,20 @@ from torchrec_mtrains.distributed.table_shard import TieredTableShard
 ID_KEY = "weight_id"
 BUCKET_KEY = "bucket"
 METADATA_KEY = "metadata"
+EVICTED_KEY = "evicted_id"
+"""An incremental checkpoint's ids evicted since the link before it and not live now."""
+SINCE_KEY = "since_parent"
+"""An incremental checkpoint's record per shard: its first id, its id count, its eviction
+rounds and batches since the link before it, and its live rows (see :func:`since_parent`)."""
+SINCE_COLUMNS = ("first_id", "ids", "eviction_rounds", "batches", "live_rows")
+
+
+SAVING_CHANGES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "saving_changes", default=False
+)
+"""Whether the state dicts taken now are an incremental checkpoint's: virtual tables then hold
+their changed rows with :data:`EVICTED_KEY` and :data:`SINCE_KEY` beside them, on every rank
+(set by :func:`~torchrec_mtrains.distributed.virtual_checkpoints.saving_changes`)."""
 
 
 @dataclass
@@ -67,10 +84,15 @@ class LiveRows:
 
 
 def read_live_rows(shard: TieredTableShard) -> LiveRows:
-    """The live rows of a virtual table shard whose cache has been written back."""
+    """The live rows of a virtual table shard whose cache has been written back (while an
+    incremental checkpoint is taken, those that changed since the last)."""
     virtual = shard.virtual
     assert virtual is not None
-    local_ids, rows = virtual.id_map.live()
+    if virtual.saving is None:
+        local_ids, rows = virtual.id_map.live()
+    else:  # an incremental checkpoint: the rows that changed (see virtual_checkpoints)
+        rows = virtual.saving
+        local_ids = virtual.id_map.row_ids[rows]
     order = np.argsort(local_ids, kind="stable")
     local_ids, rows = local_ids[order], rows[order]
     data = torch.from_numpy(shard.store.read_rows(rows)) if rows.size else None
@@ -164,41 +186,32 @@ def select_range(
     return (ids[keep] - first, *(p[keep] for p in parts))
 
 
-def expand_for_load(state: dict[str, Any], metadata: Any) -> int:
-    """Readies ``state`` (a state dict about to be loaded by ``torch.distributed.checkpoint``,
-    nested as it was saved) for a checkpoint whose ``metadata`` (``Metadata``, from
-    ``FileSystemReader(path).read_metadata()``) holds virtual tables: every ShardedTensor
-    entry whose saved size differs from its own (a virtual table's live rows, which change
-    between a save and a load) becomes a whole tensor of the saved size, so each rank reads
-    every saved row and ``load_state_dict`` keeps those of its shards (whatever world size
-    saved them). Returns how many entries it replaced.
+def evicted_since(shard: TieredTableShard) -> torch.Tensor:
+    """``(M, 1)`` int64: the table's ids this shard evicted since its changes were cleared
+    (or a load dropped) that are not live now, ascending."""
+    virtual = shard.virtual
+    assert virtual is not None and virtual.changes is not None
+    gone = virtual.changes.evicted_ids()
+    gone = gone[virtual.id_map.lookup(gone) == -1]
+    return torch.from_numpy(gone + virtual.space.id_offset).reshape(-1, 1)
 
-    Example::
 
-        state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-        expand_for_load(state, FileSystemReader(path).read_metadata())
-        dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(state["model"])
-        model.fused_optimizer.load_state_dict(state["optim"])
-    """
-    saved = metadata.state_dict_metadata
-    replaced = 0
-
-    def walk(node: dict[str, Any], path: str) -> None:
-        nonlocal replaced
-        for key, value in list(node.items()):
-            name = f"{path}.{key}" if path else str(key)
-            if isinstance(value, dict):
-                walk(value, name)
-            elif isinstance(value, ShardedTensor):
-                entry = saved.get(name)
-                size = getattr(entry, "size", None)
-                if size is not None and tuple(size) != tuple(value.size()):
-                    node[key] = torch.empty(tuple(size), dtype=entry.properties.dtype)
-                    replaced += 1
-
-    walk(state, "")
-    return replaced
+def since_parent(shard: TieredTableShard) -> torch.Tensor:
+    """``(1, 5)`` int64, :data:`SINCE_COLUMNS` of a shard whose changes are tracked: the ids
+    it holds, the eviction rounds (each decays every live count) and batches (each ages every
+    row) since its changes were cleared, and its live rows: so a row the checkpoint does not
+    hold can be aged as the shard aged it, and the result checked."""
+    virtual = shard.virtual
+    assert virtual is not None and virtual.changes is not None
+    eviction, changes = virtual.eviction, virtual.changes
+    values = [
+        virtual.space.id_offset,
+        virtual.space.ids,
+        eviction.rounds - changes.rounds_before,
+        eviction.batches - changes.batches_before,
+        len(virtual.id_map),
+    ]
+    return torch.tensor([values], dtype=torch.int64)
 
 
 def load_rows(
@@ -231,7 +244,10 @@ def load_rows(
             kept_state[kept] = store.read_rows(before[kept])[:, layout.dim :]
         live_ids, _ = virtual.id_map.live()
         virtual.id_map.remove(live_ids)
+    else:
+        live_ids = np.empty(0, dtype=np.int64)
     rows, made = virtual.id_map.assign(ids_np)
+    virtual.loaded(rows, live_ids)
     data = np.zeros((count, layout.row_width), dtype=np.float32)
     existing = np.ones(count, dtype=bool)
     existing[made] = False
