@@ -19,9 +19,12 @@ Variants, in this process, one after the other, from the same dense initial weig
 
 Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches (samples/s
 over the timed steps), then is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
-Reported beside them: ours' live rows over the run, rows made and evicted, and the bytes of a
+Reported beside them: ours' live rows over the run, rows made and evicted, the bytes of a
 full checkpoint of ours (``torch.distributed.checkpoint`` of ``model.state_dict()`` and the
-fused optimizer's state) against live rows x (row + id) bytes.
+fused optimizer's state) against live rows x (row + id) bytes, and of an incremental link of a
+``CheckpointManager`` chain ``--increment-steps`` steps after a full one against the rows it
+holds x (row + id) bytes (and 8 bytes per evicted id), the chain restored into a new model
+whose state must equal ours'.
 
 Before the timed runs, a check that ours computes what TorchRec's kernel computes: ours and a
 FUSED model whose tables hold ``--check-rows`` rows filled by the virtual tables' initializer
@@ -49,6 +52,8 @@ import numpy as np
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -59,6 +64,7 @@ from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, Embeddi
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -320,6 +326,7 @@ def run(
             for name, s in stats.items()
         }
         out["checkpoint"] = checkpoint_bytes(model, args, root / "ckpt")
+        out["chain"] = chain_bytes(model, opt, args, root, stream)
     return out
 
 
@@ -341,6 +348,74 @@ def checkpoint_bytes(
         "live_rows": live,
         "live_rows_x_row_and_id": ideal,
         "ratio": written / ideal,
+    }
+
+
+def _entries(link: Path, suffix: str) -> int:
+    """Rows of a link's entries whose keys end with ``suffix``."""
+    saved = FileSystemReader(str(link)).read_metadata().state_dict_metadata
+    return sum(
+        int(md.size[0])
+        for key, md in saved.items()
+        if key.endswith(suffix) and isinstance(md, TensorStorageMetadata)
+    )
+
+
+def _state(model: DistributedModelParallel) -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("ebc."):
+            flat[key] = value.local_shards()[0].tensor
+    for key, states in model.fused_optimizer.state_dict()["state"].items():
+        for name, value in states.items():
+            flat[f"{key}/{name}"] = value.local_shards()[0].tensor
+    return flat
+
+
+def chain_bytes(
+    model: DistributedModelParallel,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    root: Path,
+    stream: Stream,
+) -> dict[str, Any]:
+    """A checkpoint chain of ours: a full link, ``--increment-steps`` more steps, an
+    incremental link, whose bytes are set against the rows it holds x (row + id) bytes and the
+    ids it deletes x 8; then the chain is restored into a new model, whose state must be ours'
+    (the benchmark stops otherwise)."""
+    path = root / "chain"
+    options = CheckpointOptions(full_every=2, keep=None)
+    manager = CheckpointManager(path, model, model.fused_optimizer, options)
+    full = manager.save(0)
+    for _ in range(args.increment_steps):
+        step(model, opt, stream.batch(), 0)
+    started = time.perf_counter()
+    link = manager.save(args.increment_steps)
+    seconds = time.perf_counter() - started
+    rows = _entries(link.path, ".weight_id") // 2  # the module's ids, and the optimizer's
+    evicted = _entries(link.path, "embedding_bags.user.evicted_id") + _entries(
+        link.path, "embedding_bags.item.evicted_id"
+    )
+    ideal = rows * (args.dim * 4 + 4 + 8) + evicted * 8
+    live = sum(int(s["live_rows"]) for s in tier_stats(model).values())
+    want = _state(model)
+    fresh = build(args, "ours", root / "restored")
+    restored = CheckpointManager(path, fresh, fresh.fused_optimizer, options).restore()
+    assert restored is not None and restored.parent == full.name
+    got = _state(fresh)
+    wrong = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
+    if wrong:
+        raise SystemExit(f"chain check failed: the restored model differs in {wrong[:3]}")
+    return {
+        "full_bytes": full.size_bytes(),
+        "increment_bytes": link.size_bytes(),
+        "increment_steps": args.increment_steps,
+        "increment_seconds": seconds,
+        "changed_rows": rows,
+        "evicted_ids": evicted,
+        "live_rows": live,
+        "changed_rows_x_row_and_id_plus_evicted_x_8": ideal,
+        "ratio": link.size_bytes() / max(ideal, 1),
     }
 
 
@@ -387,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--cache-load-factor", type=float, default=0.05)
     parser.add_argument("--eval-batches", type=int, default=10)
+    parser.add_argument(
+        "--increment-steps", type=int, default=20, help="steps between the chain's two links"
+    )
     parser.add_argument("--check-rows", type=int, default=2**12)
     parser.add_argument("--check-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
@@ -427,6 +505,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         f"ours full checkpoint: {ck['bytes']:,} bytes for {ck['live_rows']:,} live rows = "
         f"{ck['ratio']:.3f} x live rows x (row + id) bytes"
+    )
+    ch = ours["chain"]
+    print(
+        f"ours incremental link after {ch['increment_steps']} steps: {ch['increment_bytes']:,} "
+        f"bytes ({ch['increment_bytes'] / ch['full_bytes']:.3f} x the full link's) for "
+        f"{ch['changed_rows']:,} changed rows of {ch['live_rows']:,} live and "
+        f"{ch['evicted_ids']:,} evicted ids = {ch['ratio']:.3f} x (changed rows x (row + id) + "
+        f"evicted x 8) bytes, saved in {ch['increment_seconds']:.2f} s; the chain restored "
+        "into a new model: its state equal"
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
