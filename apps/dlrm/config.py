@@ -31,7 +31,7 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +40,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import MISSING, DictConfig, OmegaConf
+from torchrec.modules.embedding_configs import (
+    CountBasedEvictionPolicy,
+    CountTimestampMixedEvictionPolicy,
+    FeatureL2NormBasedEvictionPolicy,
+    NoEvictionPolicy,
+    TimestampBasedEvictionPolicy,
+)
 
 from apps.dlrm.data import CONFIG_KINDS
 from apps.dlrm.errors import ConfigError
@@ -61,6 +68,7 @@ __all__ = [
     "PipelineConfig",
     "RunConfig",
     "SizeRulePlannerConfig",
+    "VirtualTablesConfig",
     "check_keys",
     "register_configs",
     "to_app_config",
@@ -178,11 +186,118 @@ class RunConfig:
             ) from None
 
 
+EVICTION_POLICIES = {
+    "none": NoEvictionPolicy,
+    "count": CountBasedEvictionPolicy,
+    "ttl": TimestampBasedEvictionPolicy,
+    "mixed": CountTimestampMixedEvictionPolicy,
+    "l2": FeatureL2NormBasedEvictionPolicy,
+}
+"""``model.virtual.eviction`` -> the TorchRec policy it configures."""
+
+
+@dataclass
+class VirtualTablesConfig:
+    """``model.virtual``: tables whose ids are raw, up to their ``num_embeddings_per_feature``
+    entry (e.g. 2**40), made into rows on first use and evicted by TorchRec's policies
+    (``use_virtual_table=True``; see docs/virtual_tables.md). Only the tiered planner places
+    them.
+
+    Attributes:
+        features: the sparse features (indices) whose tables are virtual.
+        max_live_rows: the most ids each holds at once (one value, or one per feature in
+            ``features``): it sizes the table's store, cache and id map, as
+            ``planner.max_live_rows.<table>`` does (which wins where both are set).
+        total_num_buckets: TorchRec's buckets of the id space, which row-wise shards hold
+            whole (null: the tables are planned table-wise).
+        eviction: none, count, ttl, mixed or l2 (TorchRec's ``CountBasedEvictionPolicy``,
+            ``TimestampBasedEvictionPolicy``, ``CountTimestampMixedEvictionPolicy``,
+            ``FeatureL2NormBasedEvictionPolicy``, ``NoEvictionPolicy``).
+        trigger_count: a round runs before a batch once a table holds more ids than this
+            (TorchRec's ``training_id_eviction_trigger_count``; 0: only when a batch's new ids
+            do not fit).
+        threshold: count and mixed: a decayed count below it goes; l2: a weight norm below it.
+        decay_rate: count and mixed: each round multiplies every count by it.
+        ttl_mins: ttl and mixed: ids last trained longer ago than this go.
+    """
+
+    features: list[int] = field(default_factory=list)
+    max_live_rows: list[int] = field(default_factory=list)
+    total_num_buckets: int | None = None
+    eviction: str = "count"
+    trigger_count: int = 0
+    threshold: float = 1.0
+    decay_rate: float = 0.5
+    ttl_mins: int = 0
+
+    def check(self, sizes: list[int]) -> None:
+        """Refuses features, bounds or a policy that do not fit the model's ``sizes``."""
+        features = list(self.features)
+        bad = [f for f in features if isinstance(f, bool) or not 0 <= f < len(sizes)]
+        if bad or len(set(features)) != len(features):
+            raise ConfigError(
+                f"model.virtual.features={features}: give distinct indices of sparse features "
+                f"(0 to {len(sizes) - 1})"
+            )
+        if not features:
+            return
+        bounds = list(self.max_live_rows)
+        if len(bounds) not in (1, len(features)) or any(b < 1 for b in bounds):
+            raise ConfigError(
+                f"model.virtual.max_live_rows={bounds}: give the most ids a virtual table holds "
+                f"at once (>= 1), one for all or one per feature in model.virtual.features"
+            )
+        for f, bound in zip(features, self.bounds()):
+            if bound > sizes[f]:
+                raise ConfigError(
+                    f"model.virtual.max_live_rows: {bound} for t_cat_{f} exceeds its id space "
+                    f"(model.num_embeddings_per_feature[{f}]={sizes[f]})"
+                )
+            buckets = self.total_num_buckets
+            if buckets is not None and (buckets < 1 or sizes[f] % buckets):
+                raise ConfigError(
+                    f"model.virtual.total_num_buckets={buckets} must divide t_cat_{f}'s id "
+                    f"space (model.num_embeddings_per_feature[{f}]={sizes[f]})"
+                )
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"model.virtual.eviction={self.eviction!r}: expected one of "
+                f"{', '.join(EVICTION_POLICIES)}"
+            )
+        _check_count("model.virtual.trigger_count", self.trigger_count, 0)
+        _check_count("model.virtual.ttl_mins", self.ttl_mins, 0)
+        if not (0.0 < self.decay_rate <= 1.0 and self.threshold >= 0.0):
+            raise ConfigError(
+                f"model.virtual: decay_rate={self.decay_rate} must be in (0, 1] and "
+                f"threshold={self.threshold} >= 0"
+            )
+
+    def bounds(self) -> list[int]:
+        """``max_live_rows`` per feature of ``features``."""
+        bounds = [int(b) for b in self.max_live_rows]
+        return bounds * len(self.features) if len(bounds) == 1 else bounds
+
+    def policy(self) -> Any:
+        """The TorchRec eviction policy object ``eviction`` and its settings configure."""
+        kind = EVICTION_POLICIES[self.eviction]
+        if kind is NoEvictionPolicy:
+            return NoEvictionPolicy()
+        settings: dict[str, Any] = {"training_id_eviction_trigger_count": self.trigger_count}
+        if kind in (CountBasedEvictionPolicy, CountTimestampMixedEvictionPolicy):
+            settings.update(eviction_threshold=self.threshold, decay_rate=self.decay_rate)
+        if kind in (TimestampBasedEvictionPolicy, CountTimestampMixedEvictionPolicy):
+            settings.update(eviction_ttl_mins=self.ttl_mins)
+        if kind is FeatureL2NormBasedEvictionPolicy:
+            settings.update(eviction_threshold=self.threshold)
+        return kind(**settings)
+
+
 @dataclass
 class ModelConfig:
     """``model``: the DLRM's shape (``conf/model/*.yaml``). The optional per-table lists are
     what-if inputs: ``embedding_dims`` (else ``embedding_dim`` for all), ``pooling_factors``
-    and ``zipf_exponents`` (else the data's, or the planner's defaults)."""
+    and ``zipf_exponents`` (else the data's, or the planner's defaults). ``virtual``: the
+    tables whose ids are raw (:class:`VirtualTablesConfig`; none by default)."""
 
     embedding_dim: int = MISSING
     dense_arch_layer_sizes: list[int] = MISSING
@@ -191,6 +306,7 @@ class ModelConfig:
     embedding_dims: list[int] | None = None
     pooling_factors: list[float] | None = None
     zipf_exponents: list[float] | None = None
+    virtual: VirtualTablesConfig = field(default_factory=VirtualTablesConfig)
 
     def __post_init__(self) -> None:
         _check_count("model.embedding_dim", self.embedding_dim, 1)
@@ -221,6 +337,7 @@ class ModelConfig:
                     f"model.{key} has {len(values)} entries; give one per table "
                     f"({len(sizes)}) or one"
                 )
+        self.virtual.check(sizes)
 
 
 @dataclass

@@ -4,6 +4,7 @@ storage the plan's tiered tables use, and the optimizers, built from the typed c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import local_world_size
-from torchrec_mtrains.initializers import RowSeededUniform
+from torchrec_mtrains.initializers import IdSeededUniform, RowSeededUniform
 from torchrec_mtrains.planner import HostTopology, PlannerConfig, plan_tables
 from torchrec_mtrains.planner.presets import detected_gpu, on_compute_device, store_options
 from torchrec_mtrains.planner.sizes import format_size
@@ -137,18 +138,12 @@ def build_model(
     seed = app.run.seed
     # Each row's initial values depend on the seed and the row alone (RowSeededUniform), not
     # on the plan: runs of one model under other plans, budgets or world sizes start alike.
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t_cat_{i}",
-            embedding_dim=dim,
-            num_embeddings=n,
-            feature_names=[f"cat_{i}"],
-            init_fn=RowSeededUniform(
-                seed=seed * 1000 + i, dim=dim, low=-math.sqrt(1.0 / n), high=math.sqrt(1.0 / n)
-            ),
+    tables = table_configs(app.model, sizes, dim, seed)
+    if app.model.virtual.features and not isinstance(app.planner, PlannerConfig):
+        raise ConfigError(
+            f"model.virtual.features={list(app.model.virtual.features)}: virtual tables are "
+            "placed by the tiered planner only; pass planner=tiered (or another tiered preset)"
         )
-        for i, n in enumerate(sizes)
-    ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     model = DLRMTrain(
         DLRM(
@@ -223,6 +218,54 @@ def build_model(
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return dmp, optimizer, plan_text
+
+
+def table_configs(
+    model: ModelConfig, sizes: Sequence[int], dim: int, seed: int
+) -> list[EmbeddingBagConfig]:
+    """The DLRM's tables, one per sparse feature: ``t_cat_<i>`` of ``sizes[i]`` rows, each
+    row's initial values a function of the seed and the row alone (``RowSeededUniform``), so
+    runs of one model under other plans, budgets or world sizes start alike. A virtual table
+    (``model.virtual.features``) has ``sizes[i]`` ids and makes an id's row from the id alone
+    (``IdSeededUniform``), in ``±sqrt(1 / max_live_rows)``: TorchRec's range for a table of
+    that many rows (its default for the id space, ``±sqrt(1 / 2**40)``, would start every
+    row at zero)."""
+    virtual = model.virtual
+    bounds = dict(zip(virtual.features, virtual.bounds()))
+    tables = []
+    for i, n in enumerate(sizes):
+        if i in bounds:
+            scale = math.sqrt(1.0 / bounds[i])
+            tables.append(
+                EmbeddingBagConfig(
+                    name=f"t_cat_{i}",
+                    embedding_dim=dim,
+                    num_embeddings=n,
+                    feature_names=[f"cat_{i}"],
+                    init_fn=IdSeededUniform(seed=seed * 1000 + i, dim=dim, low=-scale, high=scale),
+                    use_virtual_table=True,
+                    total_num_buckets=virtual.total_num_buckets,
+                    virtual_table_eviction_policy=virtual.policy(),
+                )
+            )
+            continue
+        scale = math.sqrt(1.0 / n)
+        tables.append(
+            EmbeddingBagConfig(
+                name=f"t_cat_{i}",
+                embedding_dim=dim,
+                num_embeddings=n,
+                feature_names=[f"cat_{i}"],
+                init_fn=RowSeededUniform(seed=seed * 1000 + i, dim=dim, low=-scale, high=scale),
+            )
+        )
+    return tables
+
+
+def virtual_bounds(model: ModelConfig) -> dict[str, int]:
+    """``model.virtual.max_live_rows`` by table name."""
+    virtual = model.virtual
+    return {f"t_cat_{f}": bound for f, bound in zip(virtual.features, virtual.bounds())}
 
 
 def check_batch_ids(
@@ -310,6 +353,10 @@ def tiered_plan(
     # The look-ahead pipeline keeps lookahead + 1 batches resident at once and overlaps tier
     # I/O with compute: the planner must size caches and estimate step time for that.
     config = config.for_lookahead(app.pipeline.lookahead)
+    # Virtual tables' bounds: the model's, unless planner.max_live_rows names the table.
+    config = dataclasses.replace(
+        config, max_live_rows={**virtual_bounds(app.model), **config.max_live_rows}
+    )
     profile = AccessProfile.from_json(config.profile) if config.profile else None
     local = min(world_size, local_world_size())
     topology = app.hardware

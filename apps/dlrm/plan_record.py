@@ -19,6 +19,7 @@ from apps.dlrm.run_files import PLAN_FILE, tier_dir
 from torchrec_mtrains.checkpoint.storage import write_private
 from torchrec_mtrains.distributed import TieredParameterSharding
 from torchrec_mtrains.distributed.options import tier_file_name
+from torchrec_mtrains.distributed.virtual_tables import physical_rows
 from torchrec_mtrains.planner import HostTopology
 from torchrec_mtrains.types import RowLayout
 
@@ -32,6 +33,8 @@ def _where(ps: ParameterSharding) -> str:
 
 
 def _shards(ps: ParameterSharding) -> list[list[Any]]:
+    """``[offsets, sizes, rank]`` of each shard; a virtual table's in its store's rows (its
+    tier files hold its ``max_live_rows``, not its id space)."""
     spec = getattr(ps, "sharding_spec", None)
     out: list[list[Any]] = []
     for shard in getattr(spec, "shards", None) or []:
@@ -39,6 +42,13 @@ def _shards(ps: ParameterSharding) -> list[list[Any]]:
         out.append(
             [list(shard.shard_offsets), list(shard.shard_sizes), place.rank() if place else None]
         )
+    bound = ps.tier_options.max_live_rows if isinstance(ps, TieredParameterSharding) else None
+    if bound is not None and out:
+        out.sort(key=lambda s: tuple(s[0]))
+        ids = max(o[0] + z[0] for o, z, _ in out)
+        extents = physical_rows([(o[0], z[0]) for o, z, _ in out], bound, ids)
+        for shard, (first, rows) in zip(out, extents):
+            shard[0][0], shard[1][0] = first, rows
     return out
 
 
@@ -74,6 +84,20 @@ def plan_record(
                     str(tier_dir(hardware, run_dir, tier.value, shard_rank) / file)
                 )
     return {"world_size": world, "device": device_type, "tables": tables, "files": files}
+
+
+def virtual_tier_files(
+    hardware: HostTopology, run_dir: Path, plan: Mapping[str, ParameterSharding], rank: int
+) -> list[Path]:
+    """This rank's tier files of the plan's virtual tables that exist. A resume builds them
+    anew: which ids their rows hold is kept in the checkpoint, not with the files."""
+    virtual = {
+        name: ps
+        for name, ps in plan.items()
+        if isinstance(ps, TieredParameterSharding) and ps.tier_options.max_live_rows is not None
+    }
+    record = plan_record(hardware, run_dir, virtual, rank + 1, "cpu")
+    return [Path(f) for f in record["files"].get(str(rank), []) if Path(f).exists()]
 
 
 def tier_space_problem(

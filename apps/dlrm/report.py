@@ -435,6 +435,17 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
             f"{name:<{width}}{s['hit_rate']:>10.3f}{s['tier_bytes_read'] / 2**20:>10.1f}"
             f"{s['tier_bytes_written'] / 2**20:>12.1f}"
         )
+    virtual = {n: s for n, s in sorted(metrics["tables"].items()) if "live_rows" in s}
+    if virtual:
+        lines.append(
+            f"{'virtual table':<{width}}{'live rows':>12}{'of':>12}{'made':>12}{'evicted':>12}"
+            f"{'rounds':>8}"
+        )
+        for name, s in virtual.items():
+            lines.append(
+                f"{name:<{width}}{s['live_rows']:>12,.0f}{s['max_live_rows']:>12,.0f}"
+                f"{s['rows_made']:>12,.0f}{s['rows_evicted']:>12,.0f}{s['eviction_rounds']:>8,.0f}"
+            )
     lines.extend(f"warning: {w}" for w in metrics.get("warnings", []))
     outputs = ["plan.txt", "config.yaml", "metrics.json", HISTORY_FILE, TENSORBOARD_DIR]
     shown = [n + ("/" if (run_dir / n).is_dir() else "") for n in outputs if (run_dir / n).exists()]

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -64,6 +64,7 @@ from apps.dlrm.plan_record import (
     planned_world_size,
     save_plan,
     tier_space_problem,
+    virtual_tier_files,
 )
 from apps.dlrm.progress import Progress
 from apps.dlrm.report import (
@@ -80,6 +81,7 @@ from apps.dlrm.run_files import PLAN_FILE, tier_dir, tier_files
 from torchrec_mtrains.cache.table_cache import compile_kernels
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions, Link
 from torchrec_mtrains.distributed import HostBoundsCheck, TieredParameterSharding
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
 from torchrec_mtrains.types import Tier
 
@@ -333,6 +335,12 @@ class Trainer:
                 raise ConfigError(no_room)
 
         _on_all_ranks(check, world)
+        if self.last is not None:
+            for path in virtual_tier_files(app.hardware, run_dir, plan, rank):
+                path.unlink()  # the checkpoint holds its live rows and their ids
+                logger.info(
+                    "rank %d: %s (a virtual table) is rebuilt from the checkpoint", rank, path
+                )
         if replanned:
             # Every rank's old files must be gone before any rank creates the new plan's.
             _on_all_ranks(lambda: drop_old_tier_files(run_dir, rank, world), world)
@@ -418,7 +426,11 @@ class Trainer:
         pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
         if self.lookahead:
             pipeline = LookaheadTrainPipeline(model, optimizer, device, lookahead=self.lookahead)
-            step_fn = _pipelined_step(pipeline, stream)
+            # Planning a batch ahead makes and evicts a virtual table's ids: the pipeline then
+            # plans nothing past a checkpoint's step before it is saved, so that a resumed run
+            # plans those batches as the uninterrupted one did.
+            drained = ckpt_every if _has_virtual_tables(groups) else 0
+            step_fn = _pipelined_step(pipeline, stream, self.start_step, drained)
         running = pipeline if pipeline is not None else contextlib.nullcontext()
         step, saved = self.start_step, self.last
 
@@ -593,14 +605,38 @@ def _plain_step(
     return step
 
 
+def _has_virtual_tables(groups: Sequence[TieredTableGroup]) -> bool:
+    return any(shard.virtual is not None for group in groups for shard in group.shards)
+
+
 def _pipelined_step(
-    pipeline: LookaheadTrainPipeline[Batch, Any], batches: Iterator[Batch]
+    pipeline: LookaheadTrainPipeline[Batch, Any],
+    batches: Iterator[Batch],
+    start_step: int = 0,
+    drained_every: int = 0,
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One step of the look-ahead pipeline: the same ``(loss, logits, labels)`` as the plain
-    step."""
+    step. With ``drained_every``, the pipeline reads no batch past each multiple of it (of
+    steps counted from 0, the run's first ``start_step``): it runs out there, and starts over
+    on the batches after at the next step."""
+    step_of = [start_step]
+
+    def segment() -> Iterator[Batch]:
+        if not drained_every:
+            return batches
+        return itertools.islice(batches, drained_every - step_of[0] % drained_every)
+
+    current = [segment()]
 
     def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        loss, logits, labels = pipeline.progress(batches)
+        try:
+            loss, logits, labels = pipeline.progress(current[0])
+        except StopIteration:
+            if not drained_every:
+                raise
+            current[0] = segment()  # past a drained step: the batches after it
+            loss, logits, labels = pipeline.progress(current[0])
+        step_of[0] += 1
         return loss.detach(), logits, labels
 
     return step

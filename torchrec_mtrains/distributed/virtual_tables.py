@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,24 @@ def shard_capacity(max_live_rows: int, shard_rows: int, num_embeddings: int) -> 
     return max(1, math.ceil(max_live_rows * shard_rows / num_embeddings))
 
 
+def physical_rows(
+    shards: Sequence[tuple[int, int]], max_live_rows: int, num_embeddings: int
+) -> list[tuple[int, int]]:
+    """The store extents ``(first row, rows)`` of a virtual table's shards, given as ``(first
+    id, ids)`` in id order: each its share of ``max_live_rows``, stacked in id order (column
+    shards of the same ids share an extent)."""
+    starts: dict[int, int] = {}
+    out: list[tuple[int, int]] = []
+    row = 0
+    for first, ids in shards:
+        capacity = shard_capacity(max_live_rows, ids, num_embeddings)
+        if first not in starts:
+            starts[first] = row
+            row += capacity
+        out.append((starts[first], capacity))
+    return out
+
+
 @dataclass(frozen=True)
 class VirtualSpec:
     """What a virtual table's config says of its rows, for its kernels (TorchRec hands them
@@ -213,19 +231,15 @@ def physical_table(
     if local is None or global_md is None:
         raise VirtualTableError(f"virtual table {table.name!r}: its shard carries no metadata")
     ordered = sorted(global_md.shards_metadata, key=lambda m: tuple(m.shard_offsets))
-    capacities = [
-        shard_capacity(max_live_rows, int(m.shard_sizes[0]), table.num_embeddings) for m in ordered
-    ]
-    starts: dict[int, int] = {}
-    physical: list[ShardMetadata] = []
-    row = 0
-    for md, capacity in zip(ordered, capacities):
-        first = int(md.shard_offsets[0])
-        if first not in starts:
-            starts[first] = row
-            row += capacity
-        physical.append(_physical_md(md, starts[first], capacity))
+    extents = physical_rows(
+        [(int(m.shard_offsets[0]), int(m.shard_sizes[0])) for m in ordered],
+        max_live_rows,
+        table.num_embeddings,
+    )
+    physical = [_physical_md(md, start, rows) for md, (start, rows) in zip(ordered, extents)]
+    row = max((start + rows for start, rows in extents), default=0)
     first = int(local.shard_offsets[0])
+    starts = {int(md.shard_offsets[0]): start for md, (start, _) in zip(ordered, extents)}
     capacity = shard_capacity(max_live_rows, int(local.shard_sizes[0]), table.num_embeddings)
     new_global = ShardedTensorMetadata(
         shards_metadata=physical,
