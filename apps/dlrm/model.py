@@ -234,29 +234,27 @@ def table_configs(
     bounds = dict(zip(virtual.features, virtual.bounds()))
     tables = []
     for i, n in enumerate(sizes):
+        extra: dict[str, Any] = {}
         if i in bounds:
             scale = math.sqrt(1.0 / bounds[i])
-            tables.append(
-                EmbeddingBagConfig(
-                    name=f"t_cat_{i}",
-                    embedding_dim=dim,
-                    num_embeddings=n,
-                    feature_names=[f"cat_{i}"],
-                    init_fn=IdSeededUniform(seed=seed * 1000 + i, dim=dim, low=-scale, high=scale),
-                    use_virtual_table=True,
-                    total_num_buckets=virtual.total_num_buckets,
-                    virtual_table_eviction_policy=virtual.policy(),
-                )
+            extra = dict(
+                init_fn=IdSeededUniform(seed=seed * 1000 + i, dim=dim, low=-scale, high=scale),
+                use_virtual_table=True,
+                total_num_buckets=virtual.total_num_buckets,
+                virtual_table_eviction_policy=virtual.policy(),
             )
-            continue
-        scale = math.sqrt(1.0 / n)
+        else:
+            scale = math.sqrt(1.0 / n)
+            extra["init_fn"] = RowSeededUniform(
+                seed=seed * 1000 + i, dim=dim, low=-scale, high=scale
+            )
         tables.append(
             EmbeddingBagConfig(
                 name=f"t_cat_{i}",
                 embedding_dim=dim,
                 num_embeddings=n,
                 feature_names=[f"cat_{i}"],
-                init_fn=RowSeededUniform(seed=seed * 1000 + i, dim=dim, low=-scale, high=scale),
+                **extra,
             )
         )
     return tables
