@@ -377,6 +377,8 @@ def tiered_plan(
         for name, ps in table_plan.plan.items():
             if not isinstance(ps, TieredParameterSharding) or name not in profile:
                 continue
+            if ps.tier_options.max_live_rows is not None:
+                continue  # a virtual table's hot ids get rows when first trained, not pinned
             shards = max(1, len(ps.ranks or [0]))
             room = ps.tier_options.cache_rows(rows[name] // shards) // 8
             hot[name] = list(profile[name].hot_rows[:room])

@@ -22,6 +22,7 @@ or row-wise by whole buckets as TorchRec's input distribution routes them, and s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -131,7 +132,10 @@ class TieredEnumerator(Enumerator):
 
     # ---------------------------------------------------------------------------- helpers
 
-    def _access(self, name: str, rows: int, dim: int) -> TableAccess:
+    def _access(self, name: str, rows: int, dim: int, id_space: int | None = None) -> TableAccess:
+        """The table's access statistics over its ``rows``. A virtual table's (``rows``: its
+        bound on live rows) may describe its ``id_space`` (a profile of its raw ids): their
+        distinct ids and cache hit rates are taken as they are, over its live rows."""
         if name in self.overrides:
             found = self.overrides[name]
         elif self.profile is not None and name in self.profile:
@@ -140,6 +144,8 @@ class TieredEnumerator(Enumerator):
             pooling = self.poolings.get(name, self.context.config.default_pooling)
             found = uniform_access(name, rows, dim, pooling, self.context.samples_per_step)
             self.assumed_uniform.append(name)
+        if id_space is not None and found.num_rows == id_space:
+            found = dataclasses.replace(found, num_rows=rows)
         if found.num_rows != rows:
             raise ValueError(
                 f"table {name!r} has {rows} rows but its access statistics describe "
@@ -250,7 +256,7 @@ class TieredEnumerator(Enumerator):
                 config = configs.get(name)
                 virtual = config is not None and is_virtual(config)
                 live = self._virtual_bound(config) if virtual else None
-                access = self._access(name, live or rows, cols)
+                access = self._access(name, live or rows, cols, rows if virtual else None)
                 ctx.access[name] = access
                 state = optimizer_state_width(fused_params, cols)
                 types = (

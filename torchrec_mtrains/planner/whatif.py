@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -49,16 +49,31 @@ class ModelTables:
             them (``t_cat_<i>`` for feature ``cat_<i>``).
         poolings: ids per sample by table (from ``pooling_factors``, default 1).
         access: stated access statistics by table (from ``zipf_exponents``), if any.
+        max_live_rows: each virtual table's bound on live rows (from ``virtual``), which
+            sizes it instead of its id space.
     """
 
     configs: tuple[EmbeddingBagConfig, ...]
     poolings: Mapping[str, float]
     access: Mapping[str, TableAccess]
+    max_live_rows: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
-        """Weights only (fp32); the planner adds optimizer state."""
-        return sum(c.num_embeddings * c.embedding_dim * 4 for c in self.configs)
+        """Weights only (fp32; a virtual table's live rows); the planner adds optimizer
+        state."""
+        return sum(
+            self.max_live_rows.get(c.name, c.num_embeddings) * c.embedding_dim * 4
+            for c in self.configs
+        )
+
+    def planner_config(self, config: PlannerConfig | None) -> PlannerConfig:
+        """``config`` (the default one when ``None``) with the virtual tables' bounds, where it
+        does not bound them itself."""
+        config = config or PlannerConfig()
+        if not self.max_live_rows:
+            return config
+        return replace(config, max_live_rows={**self.max_live_rows, **config.max_live_rows})
 
 
 def _per_table(values: Any, n: int, key: str) -> list[Any] | None:
@@ -74,7 +89,9 @@ def _per_table(values: Any, n: int, key: str) -> list[Any] | None:
 
 def model_tables(model: Mapping[str, Any], profile: AccessProfile | None = None) -> ModelTables:
     """Reads the app's model config keys: ``num_embeddings_per_feature``, ``embedding_dim``,
-    and optionally per-table ``embedding_dims``, ``pooling_factors``, ``zipf_exponents``.
+    and optionally per-table ``embedding_dims``, ``pooling_factors``, ``zipf_exponents``, and
+    ``virtual`` (``features`` whose tables are virtual, their ``max_live_rows`` and
+    ``total_num_buckets``).
 
     A measured profile takes precedence over the stated skews for the tables it covers.
     """
@@ -88,12 +105,20 @@ def model_tables(model: Mapping[str, Any], profile: AccessProfile | None = None)
     )
     poolings = _per_table(model.get("pooling_factors"), n, "pooling_factors") or [1.0] * n
     zipfs = _per_table(model.get("zipf_exponents"), n, "zipf_exponents")
+    virtual = dict(model.get("virtual") or {})
+    features = [int(f) for f in virtual.get("features") or []]
+    bounds = _per_table(virtual.get("max_live_rows"), len(features), "virtual.max_live_rows")
+    if features and not bounds:
+        raise ValueError("model.virtual.max_live_rows: give the bound of each virtual table")
+    live = {f"t_cat_{f}": int(b) for f, b in zip(features, bounds or [])}
     configs = tuple(
         EmbeddingBagConfig(
             name=f"t_cat_{i}",
             embedding_dim=int(d),
             num_embeddings=rows,
             feature_names=[f"cat_{i}"],
+            use_virtual_table=f"t_cat_{i}" in live,
+            total_num_buckets=virtual.get("total_num_buckets") if f"t_cat_{i}" in live else None,
         )
         for i, (rows, d) in enumerate(zip(sizes, dims))
     )
@@ -109,6 +134,7 @@ def model_tables(model: Mapping[str, Any], profile: AccessProfile | None = None)
         configs=configs,
         poolings={c.name: float(p) for c, p in zip(configs, poolings)},
         access=access,
+        max_live_rows=live,
     )
 
 
@@ -136,7 +162,7 @@ def plan_model(
         profile,
         sharder,
         local_world_size=host.ranks_per_host,
-        config=config,
+        config=model.planner_config(config),
         access=dict(model.access),
         poolings=dict(model.poolings),
     )

@@ -115,6 +115,28 @@ def test_whatif_cli_honours_the_apps_planner_budgets(capsys: pytest.CaptureFixtu
     assert code == 0 and "byte_scm" in bounded and "block_scm" in bounded
 
 
+def test_whatif_cli_plans_virtual_tables_by_their_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = plan_cli.main(["--model", "small_virtual", "--hardware", "local"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("t_cat_")}
+    for name in ("t_cat_2", "t_cat_11", "t_cat_20"):  # 2**40 ids, 65,536 live rows each
+        assert rows[name][1] == "1099511627776" and rows[name][4] == "tiered", rows[name]
+        assert int(rows[name][5]) <= 65536  # cache rows: at most the bound
+    # bounded by planner.max_live_rows too (it wins over the model's)
+    code = plan_cli.main(
+        ["--model", "small_virtual", "--hardware", "local", "+planner.max_live_rows.t_cat_2=1024"]
+    )
+    bounded = {
+        line.split()[0]: line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("t_cat_")
+    }
+    assert code == 0 and int(bounded["t_cat_2"][5]) <= 1024 < int(bounded["t_cat_11"][5])
+
+
 def test_whatif_cli_refuses_what_it_cannot_use_by_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -90,6 +90,19 @@ def test_a_run_resumed_from_a_chain_is_bitwise_the_uninterrupted_run(tmp_path: P
             assert got[key] == value, key
 
 
+def test_a_profile_of_raw_ids_plans_the_virtual_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from apps.dlrm import profile
+
+    out = tmp_path / "profile"
+    assert profile.main(["--out", str(out), "--max-batches", "8", *VIRTUAL]) == 0
+    _run(tmp_path / "run", "run.steps=4", f"planner.profile={out}.json")
+    plan = (tmp_path / "run" / "plan.txt").read_text().splitlines()
+    rows = [line.split() for line in plan if line.startswith(("t_cat_0 ", "t_cat_1 "))]
+    assert len(rows) == 2 and all(r[-1] == "measured" and "tiered" in r for r in rows), rows
+
+
 def test_bad_virtual_settings_are_refused_naming_the_option() -> None:
     cases = [
         (("model.virtual.features=[0,0]",), r"model\.virtual\.features=\[0, 0\]"),
