@@ -158,6 +158,22 @@ def test_id_seeded_rows_depend_on_the_id_alone() -> None:
     assert not torch.equal(other[0], whole[0])
 
 
+def test_id_seeded_rows_are_the_same_compiled_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled fill (the tier worker's) and numpy's give the same bits, any columns."""
+    import torchrec_mtrains.initializers as initializers
+
+    init = IdSeededUniform(seed=2**63 + 5, dim=64, low=-0.3, high=0.2)
+    ids = torch.randint(0, 2**50, (5000,), generator=torch.Generator().manual_seed(0))
+    filled = []
+    for compiled in (True, False):
+        monkeypatch.setattr(initializers, "NUMBA_AVAILABLE", compiled)
+        rows = torch.empty(5000, 60)
+        init.fill_ids(rows, ids, first_col=4)
+        filled.append(rows)
+    assert initializers.NUMBA_AVAILABLE is False and torch.equal(filled[0], filled[1])
+    assert float(filled[0].min()) >= -0.3 and float(filled[0].max()) < 0.2
+
+
 def test_id_seeded_init_takes_torchrecs_range_and_skips_meta_and_empty_weights() -> None:
     config = EmbeddingBagConfig(
         name="t_v", num_embeddings=2**40, embedding_dim=4, feature_names=["f"]

@@ -28,6 +28,7 @@ import numpy.typing as npt
 import torch
 
 from torchrec_mtrains._compat.torch_internals import ShardedTensor
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit
 
 BLOCK_ROWS = 4096  # rows drawn from one generator: the granularity of the seeding
 
@@ -129,6 +130,29 @@ def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> np.uint64(31))
 
 
+@_jit
+def _fill_uniform(
+    keys: npt.NDArray[np.uint64],
+    first_col: int,
+    low: np.float32,
+    span: np.float32,
+    out: npt.NDArray[np.float32],
+) -> None:
+    """``out[i, j] = low + span * unit`` with ``unit`` the top 24 bits of
+    ``splitmix64(keys[i] + (first_col + j) * golden)`` over 2**24, all in float32: what
+    :meth:`IdSeededUniform.fill_ids` computes with numpy, in one pass without the GIL (a
+    virtual table fills its new rows on the tier worker, beside the training thread)."""
+    for i in range(out.shape[0]):
+        key = keys[i]
+        for j in range(out.shape[1]):
+            x = key + np.uint64(first_col + j) * _GOLDEN + _GOLDEN
+            x = (x ^ (x >> np.uint64(30))) * _MIX1
+            x = (x ^ (x >> np.uint64(27))) * _MIX2
+            x = x ^ (x >> np.uint64(31))
+            unit = np.float32(x >> np.uint64(40)) * _UNIT
+            out[i, j] = low + span * unit
+
+
 @dataclass(frozen=True)
 class IdSeededUniform:
     """``U(low, high)`` per element, a function of ``(seed, id, column)`` alone: the initial
@@ -188,10 +212,14 @@ class IdSeededUniform:
         id_words = ids.to("cpu", torch.int64).numpy().astype(np.uint64)
         seed = np.uint64(self.seed % 2**64)
         row_keys = splitmix64(id_words ^ splitmix64(np.full(1, seed, dtype=np.uint64)))
-        columns = np.arange(first_col, first_col + cols, dtype=np.uint64)
-        words = splitmix64(row_keys[:, None] + columns[None, :] * _GOLDEN)
-        unit = (words >> np.uint64(40)).astype(np.float32) * _UNIT
         span = np.float32(self.high) - np.float32(self.low)
-        values = np.float32(self.low) + span * unit
+        if NUMBA_AVAILABLE:
+            values = np.empty((count, cols), dtype=np.float32)
+            _fill_uniform(row_keys, first_col, np.float32(self.low), span, values)
+        else:
+            columns = np.arange(first_col, first_col + cols, dtype=np.uint64)
+            words = splitmix64(row_keys[:, None] + columns[None, :] * _GOLDEN)
+            unit = (words >> np.uint64(40)).astype(np.float32) * _UNIT
+            values = np.float32(self.low) + span * unit
         with torch.no_grad():
             rows.copy_(torch.from_numpy(values).to(rows.dtype))

@@ -164,13 +164,19 @@ class VirtualRowMap:
         _find(self._keys, self._rows, ids, out)
         return out
 
-    def assign(self, ids: I64, option: str = "max_live_rows") -> tuple[I64, I64]:
+    def assign(
+        self, ids: I64, option: str = "max_live_rows", rows: I64 | None = None
+    ) -> tuple[I64, I64]:
         """Rows for ``ids`` (unique), giving new ids free rows. Returns the rows and the
         positions in ``ids`` of the ids that were new. Refuses, changing nothing, when the new
-        ids outnumber the free rows (the error names the table and ``option``)."""
+        ids outnumber the free rows (the error names the table and ``option``). ``rows``:
+        their :meth:`lookup`, when the caller has it (and changed no id since)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows = np.empty_like(ids)
-        _find(self._keys, self._rows, ids, rows)
+        if rows is None:
+            rows = np.empty_like(ids)
+            _find(self._keys, self._rows, ids, rows)
+        else:
+            rows = rows.copy()
         new = int((rows == NO_ROW).sum())
         if new > self._nfree:
             raise VirtualTableFullError(

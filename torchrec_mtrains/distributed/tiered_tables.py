@@ -379,7 +379,15 @@ class TieredTableGroup:
                 shard.cache.hold(plan.slots)
             batch.after_release = self._released
             if made:
-                plans = self._fill_made_rows(batch, plans, made)
+                plans, new_rows = self._take_made_rows(plans, made)
+        # Their initial values need no lock: the training thread waits on the cache lock.
+        for shard, slots, ids in new_rows if made else ():
+            virtual, layout = shard.virtual, shard.store.layout
+            assert virtual is not None
+            rows = virtual.initial_rows(
+                ids, layout.row_width, layout.dim, shard.col_offset, layout.dtype.torch_dtype
+            )
+            batch.fills.append((shard, slots, rows))
         batch.inverses = [inverse for _, inverse in uniques]
         batch.plans = plans
         batch.remapped = self._remapped(batch)
@@ -425,32 +433,26 @@ class TieredTableGroup:
             assert virtual is not None
             virtual.unassign(ids)
 
-    def _fill_made_rows(
-        self,
-        batch: _PlannedBatch,
-        plans: list[CachePlan],
-        made: list[tuple[int, torch.Tensor, torch.Tensor]],
-    ) -> list[CachePlan]:
+    def _take_made_rows(
+        self, plans: list[CachePlan], made: list[tuple[int, torch.Tensor, torch.Tensor]]
+    ) -> tuple[list[CachePlan], list[tuple[TieredTableShard, torch.Tensor, torch.Tensor]]]:
         """New ids' rows go into their slots from their initializer, not from the tier: they
-        leave the plans' loads, join ``batch.fills`` and are marked dirty (so the tier gets
-        them when the cache writes them back). Called with the cache lock held."""
+        leave the plans' loads and are marked dirty (so the tier gets them when the cache
+        writes them back). Returns the plans and, per shard, the slots and ids to fill (the
+        batch's ``fills``, whose values the caller computes). Called with the cache lock
+        held."""
         plans = list(plans)
+        fills = []
         for index, new, ids in made:
             shard, plan = self.shards[index], plans[index]
-            virtual = shard.virtual
-            assert virtual is not None
             slots = plan.slots[new]
-            layout = shard.store.layout
-            rows = virtual.initial_rows(
-                ids, layout.row_width, layout.dim, shard.col_offset, layout.dtype.torch_dtype
-            )
             keep = ~torch.isin(plan.load_slots, slots)
             plans[index] = dataclasses.replace(
                 plan, load_ids=plan.load_ids[keep], load_slots=plan.load_slots[keep]
             )
             shard.cache.mark_dirty(slots)
-            batch.fills.append((shard, slots, rows))
-        return plans
+            fills.append((shard, slots, ids))
+        return plans, fills
 
     @staticmethod
     def _remapped(batch: _PlannedBatch) -> torch.Tensor | None:

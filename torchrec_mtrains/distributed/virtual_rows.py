@@ -146,7 +146,8 @@ class VirtualRows:
         if self.eviction.due(len(self.id_map), new, self.space.capacity):
             keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
             self._evict_round(keep, cache, store, weight_slots, batch)
-        assigned, made = self.id_map.assign(ids_np, OPTION)
+        # (a round spares the batch's ids: their lookup still holds)
+        assigned, made = self.id_map.assign(ids_np, OPTION, rows)
         if self.changes is not None:
             self.changes.touched[assigned] = True
         self.eviction.touch(assigned[known])
