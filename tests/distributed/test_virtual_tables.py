@@ -378,6 +378,29 @@ def test_the_planner_sizes_a_virtual_table_from_its_bound_and_the_plan_trains(
         )
     with pytest.raises(PlacementError, match=r"dram .* OVER"):  # its id map alone is too big
         plan(10**8)
+    # without a bound, a measured profile of its ids bounds it by the distinct ids it saw
+    from torchrec_mtrains.profiler import TableInfo, profile_batches
+
+    rng = torch.Generator().manual_seed(0)
+    batches = [
+        KeyedJaggedTensor(
+            keys=["f", "g"],
+            values=torch.cat(
+                [torch.randint(0, 2**40, (64,), generator=rng), torch.randint(0, 1000, (64,))]
+            ),
+            lengths=torch.ones(128, dtype=torch.int64),
+        )
+        for _ in range(4)
+    ]
+    tables = {"t_v": TableInfo(num_rows=2**40, dim=64), "t_small": TableInfo(num_rows=1000, dim=64)}
+    profile = profile_batches(
+        batches, tables, sampling_rate=1.0, feature_to_table={"f": "t_v", "g": "t_small"}
+    )
+    seen = profile["t_v"].distinct_rows
+    assert 200 < seen <= 256
+    profiled = plan_tables(_virtual_configs(), host, 1, 512, profile, sharder)
+    assert profiled.plan["t_v"].tier_options.max_live_rows == seen
+    assert f"virtual table t_v: max_live_rows {seen:,}, the distinct ids" in str(profiled.summary)
     # two ranks: a bound one rank cannot hold is split row-wise in whole buckets, as TorchRec's
     # input distribution routes ids
     two = plan(200_000, world=2)["t_v"]

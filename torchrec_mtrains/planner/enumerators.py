@@ -41,7 +41,7 @@ from torchrec_mtrains.planner.access import TableAccess, from_profile, uniform_a
 from torchrec_mtrains.planner.perf_model import Placement
 from torchrec_mtrains.planner.shard_estimators import TieredShardEstimator, optimizer_state_width
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
-from torchrec_mtrains.profiler.types import AccessProfile
+from torchrec_mtrains.profiler.types import AccessProfile, ProfileSource
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ class TieredEnumerator(Enumerator):
         self.overrides = dict(access or {})
         self.poolings = dict(poolings or {})
         self.assumed_uniform: list[str] = []
+        # virtual tables bounded by their profile's distinct ids (no planner.max_live_rows)
+        self.bounds_from_profile: dict[str, int] = {}
 
     # ---------------------------------------------------------------------------- helpers
 
@@ -203,13 +205,26 @@ class TieredEnumerator(Enumerator):
         return [list(s) for s in sizes], [list(o) for o in offsets]
 
     def _virtual_bound(self, config: Any) -> int:
-        bound = self.context.config.max_live_rows.get(config.name)
-        if bound is None:
-            raise ValueError(
-                f"virtual table {config.name!r}: set planner.max_live_rows.{config.name}, the "
-                "most ids it holds at once (the planner sizes its store from it)"
-            )
-        return int(bound)
+        """A virtual table's bound on live rows: ``planner.max_live_rows``, else the distinct
+        ids a measured profile of its id space saw (the rows it would hold without eviction
+        over the profiled traffic)."""
+        name = config.name
+        bound = self.context.config.max_live_rows.get(name)
+        if bound is not None:
+            return int(bound)
+        measured = self.profile[name] if self.profile is not None and name in self.profile else None
+        if (
+            measured is not None
+            and measured.source == ProfileSource.MEASURED
+            and measured.num_rows == config.num_embeddings
+            and measured.distinct_rows > 0
+        ):
+            self.bounds_from_profile[name] = int(measured.distinct_rows)
+            return int(measured.distinct_rows)
+        raise ValueError(
+            f"virtual table {name!r}: set planner.max_live_rows.{name}, the most ids it holds "
+            "at once (the planner sizes its store from it), or give a profile of its ids"
+        )
 
     def _virtual_types(self, config: Any) -> list[str]:
         """Table-wise, and row-wise when its buckets can be spread over the ranks."""
@@ -240,6 +255,7 @@ class TieredEnumerator(Enumerator):
         sharder_map = {sharder_name(s.module_type): s for s in sharders}
         options: list[ShardingOption] = []
         self.assumed_uniform = []
+        self.bounds_from_profile = {}
         queue: list[tuple[str, nn.Module]] = [("", module)]
         while queue:
             path, child = queue.pop(0)

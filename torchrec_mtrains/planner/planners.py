@@ -187,7 +187,11 @@ class TieredShardingPlanner(EmbeddingShardingPlanner):
     def _notes(self) -> list[str]:
         uniform = self.tiered_enumerator.assumed_uniform
         total = len(self.context.access)
-        notes = []
+        notes = [
+            f"virtual table {name}: max_live_rows {bound:,}, the distinct ids its profile saw "
+            f"(set planner.max_live_rows.{name} to choose another)"
+            for name, bound in sorted(self.tiered_enumerator.bounds_from_profile.items())
+        ]
         if self.profile is None and uniform:
             notes.append(
                 f"no access profile given: assumed uniform access for all {total} tables "
