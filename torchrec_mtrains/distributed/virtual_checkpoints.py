@@ -104,11 +104,6 @@ class VirtualEntries:
     def table(self) -> str:
         return self.prefix.rsplit(".", 1)[-1]
 
-    @property
-    def model(self) -> bool:
-        """The module's entries (weights, statistics), not an optimizer's."""
-        return f"{self.prefix}.{BUCKET_KEY}" in self.node
-
     def entry_keys(self) -> list[str]:
         return [k for k in self.node if k.startswith(f"{self.prefix}.")]
 
