@@ -165,8 +165,8 @@ class CheckpointManager:
         groups = self._groups
         try:
             # Log-structured tables are read from their tiers, never exported to their views.
-            changes = saving_changes(groups) if parent is not None else contextlib.nullcontext()
-            with deferred_views(groups), changes:
+            changes = saving_changes(groups) if parent is not None else contextlib.nullcontext(0)
+            with deferred_views(groups), changes as virtual_rows:
                 state = self._state()
                 saved = (
                     full_state_dict(state, groups)
@@ -188,7 +188,7 @@ class CheckpointManager:
                 path,
                 "full"
                 if parent is None
-                else f"rows changed since {parent.name} ({saved.rows:,} on rank 0)",
+                else f"rows changed since {parent.name} ({saved.rows + virtual_rows:,} on rank 0)",
                 link.size_bytes() / 1e6,
             )
         _barrier()

@@ -57,10 +57,11 @@ _DECAY_CHUNK = 1 << 16
 
 
 @contextlib.contextmanager
-def saving_changes(groups: Sequence[TieredTableGroup]) -> Iterator[None]:
+def saving_changes(groups: Sequence[TieredTableGroup]) -> Iterator[int]:
     """Within it, the state dicts of the virtual tables of ``groups`` (whose changes are
-    tracked: ``track_changes``) are an incremental link's (see the module docstring). Every
-    rank enters it together, as it takes state dicts together."""
+    tracked: ``track_changes``) are an incremental link's (see the module docstring); it
+    gives the rows they hold on this rank. Every rank enters it together, as it takes state
+    dicts together."""
     shards = []
     for group in groups:
         group.drain()  # no batch is planned meanwhile: the rows and the changes agree
@@ -77,7 +78,7 @@ def saving_changes(groups: Sequence[TieredTableGroup]) -> Iterator[None]:
             shards.append(virtual)
     token = SAVING_CHANGES.set(True)
     try:
-        yield
+        yield sum(len(v.saving) for v in shards if v.saving is not None)
     finally:
         SAVING_CHANGES.reset(token)
         for virtual in shards:
