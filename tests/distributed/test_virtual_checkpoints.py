@@ -196,3 +196,55 @@ def test_a_chain_saved_at_two_ranks_restores_at_one(tmp_path: Path) -> None:
     root = str(tmp_path)
     mp.spawn(_chain_at_two_restored_at_one, args=(2, free_port(), root), nprocs=2, join=True)
     mp.spawn(_chain_at_two_restored_at_one, args=(1, free_port(), root), nprocs=1, join=True)
+
+
+def _chain_at_two_restored_at_two(rank: int, world: int, port: int, root: str) -> None:
+    """Spawned at world 2 (row-wise): saves a chain and each rank's state at its last link,
+    restores it into a new model, and checks each rank read only its own rows of it."""
+    from datetime import timedelta
+
+    from torchrec_mtrains.distributed.runtime import process_group
+    from torchrec_mtrains.distributed.virtual_checkpoints import ChainLoad
+
+    torch.set_num_threads(1)
+    case = VirtualCase(sharding="rw", eviction="count", trigger=40, max_live_rows=300)
+    ckpt = Path(root) / "ckpt"
+    with process_group(
+        backend="gloo", rank=rank, world_size=world, port=port, timeout=timedelta(seconds=60)
+    ):
+        model = build_model(case, world, Path(root) / f"a{rank}")
+        manager = _manager(model, ckpt)
+        for step in range(9):
+            if step in (3, 6):
+                manager.save(step)
+            _, virt = batch(case, rank, step)
+            outputs(case, model(virt)).square().sum().backward()
+        manager.save(9)
+        want = _flat(model)
+        fresh = build_model(case, world, Path(root) / f"b{rank}")
+        restored = _manager(fresh, ckpt)
+        link = restored.restore()
+        assert link is not None and link.step == 9 and link.parent == "step_00000006"
+        got = _flat(fresh)
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (rank, key)
+        # what a rank reads of the full link: the rows of its own ids, not the others'
+        state = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
+        (shard,) = virtual_shards(fresh)
+        spans = {shard.name: (shard.space.id_offset, shard.space.ids)}
+        ChainLoad(state, {}, spans).before(ckpt / "step_00000003", incremental=False)
+        weight = state["model"][f"{KEY}.weight"]
+        mine = sum(int(s.tensor.shape[0]) for s in weight.local_shards())
+        saved = _saved(Link(ckpt / "step_00000003", 3), f"model.{KEY}.weight_id")
+        ids = saved[f"model.{KEY}.weight_id"].flatten()
+        first, count = shard.space.id_offset, shard.space.ids
+        assert mine == int(((ids >= first) & (ids < first + count)).sum()) < len(ids), mine
+
+
+def test_each_rank_restores_a_chain_from_its_own_rows(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from torchrec_mtrains.distributed.runtime import free_port
+
+    mp.spawn(_chain_at_two_restored_at_two, args=(2, free_port(), str(tmp_path)), nprocs=2)

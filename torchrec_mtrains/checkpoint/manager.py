@@ -119,13 +119,11 @@ class CheckpointManager:
         )
         self.options = options or CheckpointOptions()
         self._groups = tiered_groups(model)
-        # virtual tables' eviction rules, by table: how rows an increment does not hold age
-        self._rules = {
-            s.name: s.virtual.space.spec.eviction
-            for g in self._groups
-            for s in g.shards
-            if s.virtual is not None
-        }
+        # virtual tables' eviction rules, by table: how rows an increment does not hold age;
+        # and the ids of this rank's shard: the rows a restore reads
+        virtual = [s.virtual for g in self._groups for s in g.shards if s.virtual is not None]
+        self._rules = {v.name: v.space.spec.eviction for v in virtual}
+        self._spans = {v.name: (v.space.id_offset, v.space.ids) for v in virtual}
         self._last: Link | None = None
         if self.options.full_every > 1:
             track_changes(self._groups)  # incremental links hold only the rows training changed
@@ -286,7 +284,7 @@ class CheckpointManager:
         _build_lazy_states(self.optimizer, chain[0].path)
         with deferred_views(groups):
             state = self._state()
-            virtual = ChainLoad(state, self._rules)
+            virtual = ChainLoad(state, self._rules, self._spans)
             for i, member in enumerate(chain):
                 try:
                     # The first is full; the others hold the tiered rows that changed since

@@ -20,7 +20,8 @@ table, per shard:
 :func:`merge_increment` applies one to the state the links before it built, giving exactly the
 state dict a full link would have held: the changed rows replace theirs, evicted ids go, and
 the other rows age as the shard that saved them aged them (the decay multiplied once per
-round, as training did, so counts match bit for bit).
+round, as training did, so counts match bit for bit). :class:`ChainLoad` loads a chain so,
+each rank reading only the rows of its own ids (a link's rows are stored in id order).
 """
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from torchrec_mtrains._compat.torch_internals import ShardedTensor
+from torchrec_mtrains._compat.torch_internals import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    init_from_local_shards,
+    remote_device,
+)
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.distributed.virtual_eviction import EvictionRule
 from torchrec_mtrains.distributed.virtual_state import (
@@ -180,12 +191,14 @@ def merge_increment(
     base: VirtualEntries,
     increment: Mapping[str, torch.Tensor],
     rule: EvictionRule | None,
+    span: tuple[int, int] | None = None,
 ) -> None:
     """Applies one incremental link's entries of a table (``increment``, by the last part of
     their keys, each whole) to ``base`` (the same table's entries in the state the links
     before built, whole tensors), in place: see the module docstring. ``rule`` is the table's
     eviction rule, which says how its statistics age (``None``: this rank holds no shard of
-    the table, and ages nothing).
+    the table, and ages nothing). ``span``: ``(first id, ids)`` when both hold only the rows
+    of those ids (see :class:`ChainLoad`), else ``None``.
 
     Raises:
         IncrementError: the result's live rows differ from those the link records.
@@ -213,7 +226,7 @@ def merge_increment(
     if BUCKET_KEY in increment:
         base.node[f"{base.prefix}.{BUCKET_KEY}"] = increment[BUCKET_KEY]
     if since is not None:
-        _check_live(base.table, ids, since)
+        _check_live(base.table, ids, since, span)
 
 
 def _aged(
@@ -242,9 +255,16 @@ def _aged(
     return out
 
 
-def _check_live(table: str, ids: torch.Tensor, since: torch.Tensor) -> None:
+def _check_live(
+    table: str, ids: torch.Tensor, since: torch.Tensor, span: tuple[int, int] | None
+) -> None:
+    """Each saved shard's live rows against the merged ids: those whose ids lie within
+    ``span`` (``(first id, ids)``: the rows this rank read), or all of them."""
     first, count, live = (SINCE_COLUMNS.index(c) for c in ("first_id", "ids", "live_rows"))
     for shard in since.tolist():
+        start, end = shard[first], shard[first] + shard[count]
+        if span is not None and not (span[0] <= start and end <= span[0] + span[1]):
+            continue  # partly or wholly another rank's rows: not read here
         held = int(((ids >= shard[first]) & (ids < shard[first] + shard[count])).sum())
         if held != shard[live]:
             raise IncrementError(
@@ -262,20 +282,31 @@ class ChainLoad:
     Args:
         state: the state dict the links are loaded into (as built for saving).
         rules: each virtual table's eviction rule, by table (those of this rank's shards).
+        spans: ``(first id, ids)`` of this rank's shard of each virtual table, by table:
+            with more than one rank, each rank then reads of a link only the rows of those
+            ids (none of a table it holds no shard of), found by the link's ids, which are
+            stored in id order; ``None``: every rank reads every row.
 
     Example::
 
-        chain_load = ChainLoad(state, rules)
+        chain_load = ChainLoad(state, rules, spans)
         for i, link in enumerate(links):
             chain_load.before(link.path, incremental=i > 0)
             dcp.load(state, checkpoint_id=link.path)
             chain_load.after()
     """
 
-    def __init__(self, state: dict[str, Any], rules: Mapping[str, EvictionRule]) -> None:
+    def __init__(
+        self,
+        state: dict[str, Any],
+        rules: Mapping[str, EvictionRule],
+        spans: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         self.state = state
         self.rules = dict(rules)
         self.entries = virtual_entries(state)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.spans = dict(spans) if spans is not None and world > 1 else None
         self._before: list[dict[str, Any]] = []
 
     def before(self, checkpoint: str | os.PathLike[str], incremental: bool) -> None:
@@ -286,7 +317,44 @@ class ChainLoad:
         self._before = (
             [{k: e.node[k] for k in e.entry_keys()} for e in self.entries] if incremental else []
         )
-        expand_for_load(self.state, FileSystemReader(str(checkpoint)).read_metadata())
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+        expand_for_load(self.state, metadata)
+        if self.spans is not None:
+            for entries in self.entries:
+                self._read_own_rows(entries, str(checkpoint), metadata)
+
+    def _read_own_rows(self, entries: VirtualEntries, checkpoint: str, metadata: Any) -> None:
+        """Makes the table's row entries read only the rows of this rank's ids."""
+        assert self.spans is not None
+        span = self.spans.get(entries.table)
+        saved = entries.saved_keys(metadata)
+        id_key = f"{entries.prefix}.{ID_KEY}"
+        if id_key not in saved:
+            return
+        rows = int(saved[id_key].size[0])
+        if rows == 0:
+            return
+        if span is None:  # a table this rank holds no shard of: none of its rows
+            lo = hi = 0
+        else:
+            fqn = f"{entries.path}.{id_key}" if entries.path else id_key
+            ids = torch.empty(rows, 1, dtype=torch.int64)
+            dcp_load({fqn: ids}, checkpoint_id=checkpoint, no_dist=True)  # this rank alone
+            flat = ids.reshape(-1)
+            if rows > 1 and not bool((flat[1:] > flat[:-1]).all()):
+                return  # not in id order (not written here): every row is read
+            lo = int(torch.searchsorted(flat, span[0]))
+            hi = int(torch.searchsorted(flat, span[0] + span[1]))
+        for key, entry in saved.items():
+            if key[len(entries.prefix) + 1 :] in NOT_ROWS or int(entry.size[0]) != rows:
+                continue
+            entries.node[key] = _row_block(tuple(entry.size), entry.properties.dtype, lo, hi)
+
+    def span(self, table: str) -> tuple[int, int] | None:
+        """The ids whose rows this rank reads of ``table`` (``None``: all of them)."""
+        if self.spans is None:
+            return None
+        return self.spans.get(table, (0, 0))
 
     def after(self) -> None:
         """Merges the link just loaded into what the links before it loaded.
@@ -299,5 +367,35 @@ class ChainLoad:
             for key in entries.entry_keys():
                 del entries.node[key]
             entries.node.update(rows)
-            merge_increment(entries, increment, self.rules.get(entries.table))
+            merge_increment(
+                entries, increment, self.rules.get(entries.table), self.span(entries.table)
+            )
         self._before = []
+
+
+def _row_block(size: tuple[int, ...], dtype: torch.dtype, lo: int, hi: int) -> ShardedTensor:
+    """A ShardedTensor of ``size`` whose only local shard is rows ``[lo, hi)`` (none when
+    empty); the other rows are given to another rank, so that dcp reads this rank's alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = (rank + 1) % world
+    tail = list(size[1:])
+    zeros = [0] * len(tail)
+    shards = []
+    mine: list[Shard] = []
+    for start, end, owner in ((0, lo, other), (lo, hi, rank), (hi, size[0], other)):
+        if end <= start:
+            continue
+        md = ShardMetadata(
+            shard_offsets=[start, *zeros],
+            shard_sizes=[end - start, *tail],
+            placement=remote_device(f"rank:{owner}/cpu"),
+        )
+        shards.append(md)
+        if owner == rank:
+            mine.append(Shard(torch.empty(end - start, *tail, dtype=dtype), md))
+    metadata = ShardedTensorMetadata(
+        shards_metadata=shards,
+        size=torch.Size(size),
+        tensor_properties=TensorProperties(dtype=dtype),
+    )
+    return init_from_local_shards(mine, metadata, None)
