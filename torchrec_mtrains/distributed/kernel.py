@@ -265,7 +265,7 @@ class _TierBackedFusedOptimizer(EmbeddingFusedOptimizer):
         ``KeyedOptimizer.load_state_dict`` calls each one's ``load_state_dict``) keeps what is
         loaded until :meth:`post_load_state_dict`."""
         shard = self._tiers.shards[index]
-        rows = read_live_rows(shard)
+        rows = read_live_rows(shard, weights=False)  # (its module's state dict has them)
         placements = {
             str(md.placement) for md in (shard_global_shards(self._tier_state[param]) or [])
         }

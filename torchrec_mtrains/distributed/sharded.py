@@ -493,7 +493,7 @@ class _TieredShardedMixin(_ShardedBase):
             if id(group) not in flushed:  # its rows are read from the tiers
                 group.flush()
                 flushed.add(id(group))
-            rows = read_live_rows(shard)
+            rows = read_live_rows(shard, states=False)  # (its optimizer's state dict has them)
             assert shard.virtual is not None
             if increment:
                 changes.append((evicted_since(shard), since_parent(shard)))

@@ -83,9 +83,14 @@ class LiveRows:
     metadata: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.float64))
 
 
-def read_live_rows(shard: TieredTableShard) -> LiveRows:
+READ_CHUNK_ROWS = 65536
+"""Rows read from a tier at a time into a state dict's tensors: no second copy of them all."""
+
+
+def read_live_rows(shard: TieredTableShard, weights: bool = True, states: bool = True) -> LiveRows:
     """The live rows of a virtual table shard whose cache has been written back (while an
-    incremental checkpoint is taken, those that changed since the last)."""
+    incremental checkpoint is taken, those that changed since the last): their ``weights``
+    and optimizer ``states`` where asked for (else empty), read chunk by chunk."""
     virtual = shard.virtual
     assert virtual is not None
     if virtual.saving is None:
@@ -95,23 +100,30 @@ def read_live_rows(shard: TieredTableShard) -> LiveRows:
         local_ids = virtual.id_map.row_ids[rows]
     order = np.argsort(local_ids, kind="stable")
     local_ids, rows = local_ids[order], rows[order]
-    data = torch.from_numpy(shard.store.read_rows(rows)) if rows.size else None
     layout = shard.store.layout
-    dim = layout.dim
-    weights = torch.empty(len(rows), dim, dtype=layout.dtype.torch_dtype)
-    states: list[torch.Tensor] = []
-    start = dim
-    for view, shape in zip(shard.state_slots, shard.state_shapes):
-        width = int(view.shape[1])
-        part = torch.empty(len(rows), width, dtype=view.dtype)
-        if data is not None:
-            part.copy_(data[:, start : start + width])
-        states.append(part.reshape(len(rows), *shape))
-        start += width
-    if data is not None:
-        weights.copy_(data[:, :dim])
+    dim, count = layout.dim, len(rows)
+    out_weights = torch.empty(count if weights else 0, dim, dtype=layout.dtype.torch_dtype)
+    out_states = [
+        torch.empty(count if states else 0, int(view.shape[1]), dtype=view.dtype)
+        for view in shard.state_slots
+    ]
+    if weights or states:
+        for first in range(0, count, READ_CHUNK_ROWS):
+            part = slice(first, first + READ_CHUNK_ROWS)
+            data = torch.from_numpy(shard.store.read_rows(rows[part]))
+            if weights:
+                out_weights[part].copy_(data[:, :dim])
+            start = dim
+            for out in out_states:
+                width = int(out.shape[1])
+                if states:
+                    out[part].copy_(data[:, start : start + width])
+                start += width
+    shaped = [
+        out.reshape(int(out.shape[0]), *shape) for out, shape in zip(out_states, shard.state_shapes)
+    ]
     ids = torch.from_numpy(local_ids + virtual.space.id_offset)
-    return LiveRows(ids, weights, states, torch.from_numpy(virtual.eviction.export(rows)))
+    return LiveRows(ids, out_weights, shaped, torch.from_numpy(virtual.eviction.export(rows)))
 
 
 def gather_sizes(sizes: list[list[int]], pg: dist.ProcessGroup | None) -> list[list[list[int]]]:
