@@ -132,6 +132,9 @@ class CriteoTsvDataConfig:
         batch_size: samples per batch (per rank).
         num_embeddings_per_feature: rows of each of the 26 tables (one entry = all);
             categorical values are taken modulo these.
+        raw_id_features: features (indices) whose values are their ids as they are, with no
+            modulo: a virtual table's (``model.virtual.features``), whose id space holds raw
+            ids. A value outside it is the bounds check's to refuse, naming the feature.
         on_error: ``"skip"`` counts and logs malformed rows, ``"fail"`` raises on the first.
         drop_last: drop the last, incomplete batch of a rank.
         num_batches: stop a rank's training split after this many batches (``None`` = read
@@ -149,6 +152,7 @@ class CriteoTsvDataConfig:
     path: str = ""
     batch_size: int = 512
     num_embeddings_per_feature: list[int] = field(default_factory=_kaggle_sizes)
+    raw_id_features: list[int] = field(default_factory=list)
     on_error: str = "skip"
     drop_last: bool = False
     num_batches: int | None = None

@@ -7,6 +7,7 @@ hexadecimal hashes, any feature possibly empty. Conversion, as is customary for 
 * categorical: hex -> int, then modulo the table's row count. Criteo's values are already
   32-bit hashes, so the modulo is the hashing trick. An empty field is value 0, hence row 0
   of its table (a fixed "missing" bucket that it shares with real values that hash there).
+  A feature of ``raw_id_features`` (a virtual table's) keeps its values as they are: raw ids.
 
 Held-out rows come from ``eval_paths``, or else every line ``j`` (counted across the training
 files in order) at which ``floor((j + 1) * eval_fraction)`` steps up; the training split is
@@ -192,6 +193,14 @@ class CriteoTsvDataset(IterableDataset[Batch]):
         )
         check_sizes(sizes)
         self._sizes = [int(n) for n in sizes]
+        raw = [int(f) for f in config.raw_id_features]
+        if any(not 0 <= f < CAT_FEATURE_COUNT for f in raw):
+            raise ValueError(
+                f"raw_id_features={raw}: give indices of categorical features "
+                f"(0 to {CAT_FEATURE_COUNT - 1})"
+            )
+        # the modulus of each feature; 0 for raw ids, which stay as they are
+        self._moduli = [0 if t in raw else n for t, n in enumerate(self._sizes)]
         train = expand_paths(([config.path] if config.path else []) + list(config.paths))
         held_out = expand_paths(list(config.eval_paths)) if config.eval_paths else []
         check_disjoint(
@@ -274,12 +283,20 @@ class CriteoTsvDataset(IterableDataset[Batch]):
             yield self._to_batch(labels, dense, sparse)
 
     def _reduce(self, sparse: list[list[int]]) -> npt.NDArray[np.int64]:
-        """Categorical values modulo table rows; values wider than int64 reduce in Python."""
+        """Categorical values modulo table rows (raw ids as they are); values wider than
+        int64 reduce in Python (a raw id that wide is out of any table: the bounds check
+        refuses the largest id an int64 holds in its place)."""
+        moduli = self._moduli
         try:
             values = np.asarray(sparse, dtype=np.int64)
         except OverflowError:
-            return np.asarray([[v % n for v, n in zip(row, self._sizes)] for row in sparse])
-        return values % np.asarray(self._sizes, dtype=np.int64)
+            top = np.iinfo(np.int64).max
+            return np.asarray(
+                [[v % n if n else min(v, top) for v, n in zip(row, moduli)] for row in sparse],
+                dtype=np.int64,
+            )
+        raw = np.asarray([n == 0 for n in moduli])
+        return np.where(raw, values, values % np.asarray([n or 1 for n in moduli], dtype=np.int64))
 
     def _record(self, error: MalformedRowError) -> None:
         self.num_skipped += 1

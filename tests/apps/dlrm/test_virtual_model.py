@@ -4,6 +4,7 @@ report, and a run stopped at a checkpoint of a chain resumes to the uninterrupte
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,32 @@ def test_a_profile_of_raw_ids_plans_the_virtual_tables(
     plan = (tmp_path / "run" / "plan.txt").read_text().splitlines()
     rows = [line.split() for line in plan if line.startswith(("t_cat_0 ", "t_cat_1 "))]
     assert len(rows) == 2 and all(r[-1] == "measured" and "tiered" in r for r in rows), rows
+
+
+def _criteo_day(path: Path, rows: int) -> Path:
+    """Criteo-shaped TSV rows: 32-bit hexadecimal categorical values."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(rows):
+        dense = [str(rng.randint(0, 50)) for _ in range(13)]
+        cats = [f"{rng.getrandbits(32):08x}" for _ in range(26)]
+        lines.append("\t".join([str(rng.randint(0, 1)), *dense, *cats]) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_criteo_values_are_a_virtual_tables_ids_as_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    day = _criteo_day(tmp_path / "day_0.tsv", 160)
+    criteo = ("data=criteo_tsv", f"data.paths=[{day}]", "data.batch_size=32", "run.steps=3")
+    _run(tmp_path / "run", *criteo)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["tables"]["t_cat_0"]["live_rows"] >= 3 * 32 - 3  # raw ids barely repeat
+    # in an id space too small for them, raw values are refused by name, never folded in
+    small = (f"model.num_embeddings_per_feature=[{2**20},{SPACE}{',100' * 24}]",)
+    with pytest.raises(ConfigError, match=r"feature 'cat_0'.*t_cat_0's 1048576 rows"):
+        _run(tmp_path / "small", *criteo, *small)
 
 
 def test_bad_virtual_settings_are_refused_naming_the_option() -> None:

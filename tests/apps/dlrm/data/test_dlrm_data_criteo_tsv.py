@@ -80,6 +80,23 @@ def test_hashes_wider_than_64_bits_reduce_exactly(tmp_path: Path) -> None:
     assert kjt.values().tolist() == expected
 
 
+def test_raw_id_features_keep_their_values(tmp_path: Path) -> None:
+    """A virtual table's feature: the value is the id, no modulo (a wider one than int64 is
+    left for the bounds check, as the largest int64)."""
+    cats = ["7fffffff", "ffffffff", "", *["ff"] * 23]
+    path = _write(tmp_path / "day_0", [_line(0, ["1"] * 13, cats)])
+    sizes = [2**40, 2**40, *SIZES[2:]]
+    config = _config([path], num_embeddings_per_feature=sizes, raw_id_features=[0, 1, 2])
+    ids = next(iter(CriteoTsvDataset(config))).sparse_features.values().tolist()
+    assert ids[:4] == [0x7FFFFFFF, 0xFFFFFFFF, 0, 0xFF % SIZES[3]]
+    wide = _write(tmp_path / "day_1", [_line(0, ["1"] * 13, ["f" * 20] * 26)])
+    config = _config([wide], num_embeddings_per_feature=sizes, raw_id_features=[0])
+    ids = next(iter(CriteoTsvDataset(config))).sparse_features.values().tolist()
+    assert ids[0] == 2**63 - 1 and ids[1] == (16**20 - 1) % 2**40
+    with pytest.raises(ValueError, match=r"raw_id_features=\[26\]"):
+        CriteoTsvDataset(_config([path], raw_id_features=[26]))
+
+
 def test_batches_files_and_globs_in_order(tmp_path: Path) -> None:
     _write(tmp_path / "day_1", [_row(i) for i in range(5, 9)])
     _write(tmp_path / "day_0", [_row(i) for i in range(5)])
