@@ -28,7 +28,7 @@ import numpy.typing as npt
 import torch
 
 from torchrec_mtrains._compat.torch_internals import ShardedTensor
-from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit, splitmix64_word
 
 BLOCK_ROWS = 4096  # rows drawn from one generator: the granularity of the seeding
 
@@ -145,10 +145,7 @@ def _fill_uniform(
     for i in range(out.shape[0]):
         key = keys[i]
         for j in range(out.shape[1]):
-            x = key + np.uint64(first_col + j) * _GOLDEN + _GOLDEN
-            x = (x ^ (x >> np.uint64(30))) * _MIX1
-            x = (x ^ (x >> np.uint64(27))) * _MIX2
-            x = x ^ (x >> np.uint64(31))
+            x = splitmix64_word(key + np.uint64(first_col + j) * _GOLDEN)
             unit = np.float32(x >> np.uint64(40)) * _UNIT
             out[i, j] = low + span * unit
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from torchrec_mtrains.cache.kernels import _jit
+from torchrec_mtrains.cache.kernels import _jit, splitmix64_word
 
 I64 = npt.NDArray[np.int64]
 
@@ -45,11 +45,7 @@ class VirtualTableFullError(RuntimeError):
 @_jit
 def _slot_of(key: int, mask: int) -> Any:
     """Home slot of ``key``: SplitMix64's finalizer, on int64 (wrapping), masked."""
-    x = np.uint64(key) + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x = x ^ (x >> np.uint64(31))
-    return np.int64(x & np.uint64(mask))
+    return np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
 
 
 @_jit

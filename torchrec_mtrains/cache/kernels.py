@@ -60,6 +60,16 @@ def _jit(fn: _F) -> _F:
     return cast(_F, numba.njit(nogil=True, cache=True)(fn))
 
 
+@_jit
+def splitmix64_word(x: Any) -> Any:
+    """SplitMix64's finalizer of one uint64 word (wrapping arithmetic): what virtual tables'
+    id maps place ids by and their id-seeded initializer draws from."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 # --------------------------------------------------------------------------- slot lists
 
 

@@ -38,15 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from torchrec_mtrains._compat.torch_internals import (
-    Shard,
-    ShardedTensor,
-    ShardedTensorMetadata,
-    ShardMetadata,
-    TensorProperties,
-    init_from_local_shards,
-    remote_device,
-)
+from torchrec_mtrains._compat.torch_internals import ShardedTensor
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.distributed.virtual_eviction import EvictionRule
 from torchrec_mtrains.distributed.virtual_state import (
@@ -58,6 +50,7 @@ from torchrec_mtrains.distributed.virtual_state import (
     SINCE_COLUMNS,
     SINCE_KEY,
     gather_incoming,
+    row_blocks,
 )
 
 NOT_ROWS = (BUCKET_KEY, EVICTED_KEY, SINCE_KEY)
@@ -325,8 +318,8 @@ class ChainLoad:
 
     def _read_own_rows(self, entries: VirtualEntries, checkpoint: str, metadata: Any) -> None:
         """Makes the table's row entries read only the rows of this rank's ids."""
-        assert self.spans is not None
-        span = self.spans.get(entries.table)
+        span = self.span(entries.table)
+        assert span is not None
         saved = entries.saved_keys(metadata)
         id_key = f"{entries.prefix}.{ID_KEY}"
         if id_key not in saved:
@@ -334,7 +327,7 @@ class ChainLoad:
         rows = int(saved[id_key].size[0])
         if rows == 0:
             return
-        if span is None:  # a table this rank holds no shard of: none of its rows
+        if span[1] == 0:  # a table this rank holds no shard of: none of its rows
             lo = hi = 0
         else:
             fqn = f"{entries.path}.{id_key}" if entries.path else id_key
@@ -376,26 +369,8 @@ class ChainLoad:
 def _row_block(size: tuple[int, ...], dtype: torch.dtype, lo: int, hi: int) -> ShardedTensor:
     """A ShardedTensor of ``size`` whose only local shard is rows ``[lo, hi)`` (none when
     empty); the other rows are given to another rank, so that dcp reads this rank's alone."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    other = (rank + 1) % world
-    tail = list(size[1:])
-    zeros = [0] * len(tail)
-    shards = []
-    mine: list[Shard] = []
-    for start, end, owner in ((0, lo, other), (lo, hi, rank), (hi, size[0], other)):
-        if end <= start:
-            continue
-        md = ShardMetadata(
-            shard_offsets=[start, *zeros],
-            shard_sizes=[end - start, *tail],
-            placement=remote_device(f"rank:{owner}/cpu"),
-        )
-        shards.append(md)
-        if owner == rank:
-            mine.append(Shard(torch.empty(end - start, *tail, dtype=dtype), md))
-    metadata = ShardedTensorMetadata(
-        shards_metadata=shards,
-        size=torch.Size(size),
-        tensor_properties=TensorProperties(dtype=dtype),
-    )
-    return init_from_local_shards(mine, metadata, None)
+    rank = dist.get_rank()
+    other = (rank + 1) % dist.get_world_size()
+    blocks = [(lo, other), (hi - lo, rank), (size[0] - hi, other)]
+    local = torch.empty(hi - lo, *size[1:], dtype=dtype)
+    return row_blocks([b for b in blocks if b[0] > 0], local, rank, None)

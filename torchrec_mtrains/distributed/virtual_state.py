@@ -143,18 +143,30 @@ def stacked(
 ) -> ShardedTensor:
     """A ShardedTensor of the ranks' row blocks stacked in rank order (``counts`` rows each,
     possibly none); this rank's block is ``local``."""
+    return row_blocks([(count, r) for r, count in enumerate(counts)], local, rank, pg)
+
+
+def row_blocks(
+    blocks: Sequence[tuple[int, int]],
+    local: torch.Tensor,
+    rank: int,
+    pg: dist.ProcessGroup | None,
+) -> ShardedTensor:
+    """A ShardedTensor of consecutive row blocks, ``(rows, owner rank)`` each, in row order,
+    built on this rank alone: this rank's block (at most one) is ``local``, whose trailing
+    shape and type the others share."""
     tail = list(local.shape[1:])
     shards_md = []
     offset = 0
     mine: list[Shard] = []
-    for r, count in enumerate(counts):
+    for count, owner in blocks:
         md = ShardMetadata(
             shard_offsets=[offset] + [0] * len(tail),
             shard_sizes=[count, *tail],
-            placement=remote_device(f"rank:{r}/cpu"),
+            placement=remote_device(f"rank:{owner}/cpu"),
         )
         shards_md.append(md)
-        if r == rank:
+        if owner == rank:
             mine.append(Shard(local, md))
         offset += count
     global_md = ShardedTensorMetadata(
