@@ -271,6 +271,49 @@ def test_state_dicts_hold_live_rows_and_a_loaded_model_trains_on_exactly(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("store", ["log_block_scm", "byte_scm", "dram"])
+def test_live_rows_of_a_table_off_host_memory_map_files_and_round_trip_through_dcp(
+    store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_mtrains.distributed import virtual_state
+
+    case = VirtualCase(store=store, optimizer="adagrad", eviction="count", max_live_rows=150)
+    saved = build_model(case, 1, tmp_path / "a")
+    train_steps(saved, case, range(8))
+    key = "embedding_bags.t_virtual"
+    in_memory = saved.state_dict(), saved.fused_optimizer.state_dict()
+    monkeypatch.setattr(virtual_state, "FILE_BACKED_BYTES", 0)  # every size maps a file
+    state = {"model": saved.state_dict(), "optim": saved.fused_optimizer.state_dict()}
+    weight = state["model"][f"{key}.weight"].local_shards()[0].tensor
+    moment = state["optim"]["state"][f"{key}.weight"]["t_virtual.momentum1"]
+    for tensor, before in (
+        (weight, in_memory[0][f"{key}.weight"]),
+        (moment, in_memory[1]["state"][f"{key}.weight"]["t_virtual.momentum1"]),
+    ):
+        local = tensor.local_shards()[0].tensor if hasattr(tensor, "local_shards") else tensor
+        name = local.untyped_storage().filename
+        if store == "dram":  # rows already in host memory: no file
+            assert name is None
+        else:  # a mapping of a file under the store's directory, whose name is gone
+            assert name is not None and f"/{virtual_state.LIVE_ROWS_DIR}/" in name
+            assert not os.path.exists(name)
+        assert torch.equal(local, before.local_shards()[0].tensor)
+    path = str(tmp_path / "ckpt")
+    dcp.save(state, checkpoint_id=path)
+    loaded = build_model(case, 1, tmp_path / "b")
+    into = {"model": loaded.state_dict(), "optim": loaded.fused_optimizer.state_dict()}
+    expand_for_load(into, dcp.FileSystemReader(path).read_metadata())
+    dcp.load(into, checkpoint_id=path)
+    loaded.load_state_dict(into["model"])
+    loaded.fused_optimizer.load_state_dict(into["optim"])
+    for a, b in zip(
+        train_steps(saved, case, range(8, 14)), train_steps(loaded, case, range(8, 14))
+    ):
+        assert torch.equal(a, b)
+
+
 def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> None:
     """Spawned: saves a trained row-wise virtual table with dcp at world 2, or loads the
     checkpoint at world 1 and checks every saved id came back."""

@@ -33,6 +33,8 @@ changed, the ids evicted (``evicted_id``) and how the other rows aged (``since_p
 from __future__ import annotations
 
 import contextvars
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,7 @@ from torchrec_mtrains._compat.torch_internals import (
     remote_device,
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
+from torchrec_mtrains.tiers.dram import DramStore
 
 ID_KEY = "weight_id"
 BUCKET_KEY = "bucket"
@@ -86,11 +89,46 @@ class LiveRows:
 READ_CHUNK_ROWS = 65536
 """Rows read from a tier at a time into a state dict's tensors: no second copy of them all."""
 
+FILE_BACKED_BYTES = 16 << 20
+"""From this size on, a state dict's rows of a virtual table whose store is not in host memory
+are a mapped file (see :func:`live_row_buffer`), not anonymous memory."""
+
+LIVE_ROWS_DIR = "live_rows"
+"""Subdirectory of a store's directory holding the (unlinked) files of mapped live rows."""
+
+
+def live_row_buffer(
+    rows: int, width: int, dtype: torch.dtype, directory: os.PathLike[str] | str | None
+) -> torch.Tensor:
+    """An uninitialized ``[rows, width]`` tensor for a state dict's live rows: with a
+    ``directory`` (the store's, for a table not held in host memory) and at least
+    :data:`FILE_BACKED_BYTES`, a shared mapping of a file there whose name is removed at once.
+
+    Why: a state dict holds every live row of a virtual table (as TorchRec's does), which for a
+    table on SCM may not fit host memory. A file mapping's pages are the page cache's, written
+    back and dropped under memory pressure as dcp streams them out; anonymous memory could only
+    go to swap. The file lives as long as the tensor does, and no longer."""
+    nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
+    if directory is None or nbytes < FILE_BACKED_BYTES:
+        return torch.empty(rows, width, dtype=dtype)
+    folder = os.path.join(directory, LIVE_ROWS_DIR)
+    os.makedirs(folder, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="rows.", dir=folder)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = torch.from_file(path, shared=True, size=rows * width, dtype=dtype)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return mapped.view(rows, width)
+
 
 def read_live_rows(shard: TieredTableShard, weights: bool = True, states: bool = True) -> LiveRows:
     """The live rows of a virtual table shard whose cache has been written back (while an
     incremental checkpoint is taken, those that changed since the last): their ``weights``
-    and optimizer ``states`` where asked for (else empty), read chunk by chunk."""
+    and optimizer ``states`` where asked for (else empty), read chunk by chunk into tensors
+    that, for a store not in host memory, map files (:func:`live_row_buffer`); the ids and
+    eviction metadata (8 bytes a row each, as the id map) are in memory."""
     virtual = shard.virtual
     assert virtual is not None
     if virtual.saving is None:
@@ -100,11 +138,13 @@ def read_live_rows(shard: TieredTableShard, weights: bool = True, states: bool =
         local_ids = virtual.id_map.row_ids[rows]
     order = np.argsort(local_ids, kind="stable")
     local_ids, rows = local_ids[order], rows[order]
-    layout = shard.store.layout
+    store = shard.store
+    layout = store.layout
     dim, count = layout.dim, len(rows)
-    out_weights = torch.empty(count if weights else 0, dim, dtype=layout.dtype.torch_dtype)
+    spill = None if store.name == DramStore.name else store.directory
+    out_weights = live_row_buffer(count if weights else 0, dim, layout.dtype.torch_dtype, spill)
     out_states = [
-        torch.empty(count if states else 0, int(view.shape[1]), dtype=view.dtype)
+        live_row_buffer(count if states else 0, int(view.shape[1]), view.dtype, spill)
         for view in shard.state_slots
     ]
     if weights or states:
