@@ -113,7 +113,12 @@ from torchrec_mtrains.benchmark.tier_probes import (
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
-from torchrec_mtrains.profiler import BatchTrace, ReplacementPolicy, batch_hits
+from torchrec_mtrains.profiler import (
+    BatchTrace,
+    ReplacementPolicy,
+    batch_hits,
+    best_online_hit_rates,
+)
 
 logger = logging.getLogger("w1_bench")
 
@@ -426,9 +431,25 @@ class StreamIds:
     next budget's run (4 bytes an id)."""
 
     def __init__(self, wl: Workload) -> None:
+        self.workload = wl
         self.stream = BatchStream(wl)
         self.tables = {c.name: i for i, c in enumerate(wl.configs())}
         self.ids: list[list[np.ndarray]] = [[] for _ in wl.sizes]
+
+    def best_online_hit_rate(
+        self, table: str, row_offset: int, rows: int, cache_rows: int, batches: tuple[int, int]
+    ) -> float:
+        """The hit rate no policy that does not know future batches can beat in expectation
+        on the rows ``[row_offset, row_offset + rows)`` of ``table`` with ``cache_rows`` rows,
+        over the batches ``[first, end)`` of a run that began with empty caches
+        (:func:`~torchrec_mtrains.profiler.best_online_hit_rates`: every batch draws its
+        ``batch_size`` ids of a table independently from its Zipf law). Averaged over at most
+        ten of those batches, evenly spaced: it changes slowly from batch to batch."""
+        p = self.stream.ds.row_probabilities(self.tables[table])[row_offset : row_offset + rows]
+        draws = self.workload.batch_size  # one id per sample and table
+        first, end = batches
+        after = np.unique(np.linspace(first, end - 1, num=min(10, end - first)).round()).astype(int)
+        return float(best_online_hit_rates(p, draws, [cache_rows], after_batches=after)[0])
 
     def batches(self, table: str, count: int) -> list[np.ndarray]:
         """The first ``count`` batches' sorted unique ids of ``table``."""
@@ -452,6 +473,9 @@ _BOUNDS = (
     ("seen_ahead", ReplacementPolicy.MIN_SEEN_AHEAD, "MIN seeing k"),
     ("min", ReplacementPolicy.MIN, "MIN"),
 )
+BEST_ONLINE = "best_online"
+"""The key of the most hits any policy that does not know future batches can expect."""
+_HIT_RATE_NAMES = ("measured", *(name for name, _, _ in _BOUNDS), BEST_ONLINE)
 
 
 def hit_rate_bounds(run: dict[str, Any], ids: StreamIds) -> dict[str, Any] | None:
@@ -491,9 +515,13 @@ def hit_rate_bounds(run: dict[str, Any], ids: StreamIds) -> dict[str, Any] | Non
         for name, policy, _ in _BOUNDS:
             hits = batch_hits(trace, policy or shard["policy"], shard["cache_rows"], k, first=first)
             row["hits"][name] = None if hits is None else int(hits[first:].sum())
+        # Expected hits, not counted ones: the batches' law, not these batches.
+        row["hits"][BEST_ONLINE] = row["lookups"] * ids.best_online_hit_rate(
+            shard["table"], shard["row_offset"], shard["rows"], shard["cache_rows"], (first, end)
+        )
         tables[key] = row
     overall: dict[str, float | None] = {}
-    for name in ("measured", *(b[0] for b in _BOUNDS)):
+    for name in _HIT_RATE_NAMES:
         for t in tables.values():
             t.setdefault("hit_rate", {})[name] = _hit_rate(t["hits"][name], _lookups(t, name))
         counts = [t["hits"][name] for t in tables.values()]
@@ -532,7 +560,7 @@ def _lookups(row: dict[str, Any], name: str) -> int:
     return int(row["measured_lookups" if name == "measured" else "lookups"])
 
 
-def _hit_rate(hits: int | None, lookups: int) -> float | None:
+def _hit_rate(hits: float | None, lookups: int) -> float | None:
     return None if hits is None or not lookups else hits / lookups
 
 
@@ -660,9 +688,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "ours_excess_ms_per_step": _excess(ours, a),
             "ours_stall_ms_per_step": ours.get("stall_ms_per_step"),
             "ours_hit_rate": ours.get("hit_rate"),
-            "ours_min_hit_rate": ((ours.get("hit_rate_bounds") or {}).get("overall") or {}).get(
-                "min"
-            ),
+            "ours_min_hit_rate": _overall_hit_rate(ours, "min"),
+            "ours_best_online_hit_rate": _overall_hit_rate(ours, BEST_ONLINE),
             "ours_stall_share": ours.get("stall_share"),
             **_device_floor(ours, a, results.get("fio", {}).get("iops_mean"), results),
         }
@@ -762,6 +789,17 @@ def _device_floor(
     rate = _rate(ours)
     read_blocks = float(tiers["tier_bytes_read"]) / BLOCK_SIZE
     rows_read = float(tiers.get("tier_rows_read") or 0.0)
+    # The same with the best online hit rate: its misses read blocks as ours' did (blocks in
+    # proportion to misses: W1's rows share no blocks by access), the write-backs unchanged.
+    hit, best = _overall_hit_rate(ours, "measured"), _overall_hit_rate(ours, BEST_ONLINE)
+    best_blocks = None
+    if hit is not None and best is not None and hit < 1.0:
+        best_blocks = blocks - read_blocks / steps * (1.0 - (1.0 - best) / (1.0 - hit))
+    best_bound = (
+        results["workload"]["batch_size"] * fio_iops / best_blocks
+        if best_blocks and fio_iops
+        else None
+    )
     return {
         "ours_blocks_per_step": blocks,
         "ours_read_blocks_per_step": read_blocks / steps,
@@ -772,7 +810,15 @@ def _device_floor(
         "ours_vs_A_device_bound": a_step / floor_ms if a_step and floor_ms else None,
         "iops_bound_samples_per_s": bound,
         "ours_vs_iops_bound": rate / bound if rate and bound else None,
+        "best_online_blocks_per_step": best_blocks,
+        "best_online_iops_bound_samples_per_s": best_bound,
+        "best_online_iops_bound_vs_A": _ratio(best_bound, _rate(a)),
     }
+
+
+def _overall_hit_rate(run: dict[str, Any], name: str) -> float | None:
+    """Over a tiered variant's tables, its hit rate ``name`` of :func:`hit_rate_bounds`."""
+    return ((run.get("hit_rate_bounds") or {}).get("overall") or {}).get(name)
 
 
 def _blocks_per_step(run: dict[str, Any]) -> float | None:
@@ -882,6 +928,15 @@ def print_summary(results: dict[str, Any]) -> None:
                 f"{f(r.get('ours_vs_iops_bound'), '.0%')} of it; ours / A "
                 f"<= {r['ours_vs_A_device_bound']:.2f} on this device"
             )
+        if r.get("best_online_blocks_per_step"):
+            print(
+                f"  at the best online hit rate ({f(r['ours_best_online_hit_rate'], '.3f')} "
+                f"against ours' {f(r['ours_hit_rate'], '.3f')}): "
+                f"~{r['best_online_blocks_per_step']:,.0f} block I/Os a step, an IOPS-bound rate "
+                f"of {f(r['best_online_iops_bound_samples_per_s'], ',.0f')} samples/s = "
+                f"{f(r.get('best_online_iops_bound_vs_A'), '.2f')} x A: the most any cache "
+                "policy reaches on this disk without knowing future batches"
+            )
     for name, t in s["targets"].items():
         if t["value"] is None:
             print(f"target {name}: not measured (a variant failed)")
@@ -908,10 +963,17 @@ def print_hit_rate_bounds(results: dict[str, Any]) -> None:
                 f"batches the timed steps planned ({first}..{end - 1}; a counter may hold one "
                 f"more or less, planned in the background), look-ahead {k}; at the same cache "
                 f"size: the cache's policy replayed, MIN seeing only the next {k} batches, and "
-                "MIN (Belady's optimal: the most hits any cache has in those batches); computed "
+                "MIN (Belady's optimal: the most hits any cache has in those batches), and the "
+                "best online (the hit rate no policy that does not know future batches can "
+                "beat in expectation: the rows most likely to be drawn, of those drawn before, "
+                "held); computed "
                 f"after the run in {bounds.get('seconds', 0.0):.1f} s"
             )
-            labels = ("measured", *(label.replace("k", str(k)) for _, _, label in _BOUNDS))
+            labels = (
+                "measured",
+                *(label.replace("k", str(k)) for _, _, label in _BOUNDS),
+                "best online",
+            )
             print(
                 f"{'table':<18}{'batches':>9}{'policy':>7}{'cache rows':>12}{'lookups':>10}"
                 + "".join(f"{label:>14}" for label in labels)
@@ -936,8 +998,9 @@ def print_hit_rate_bounds(results: dict[str, Any]) -> None:
 
 def _rates(values: dict[str, float | None]) -> str:
     """The measured and computed hit rates of :func:`hit_rate_bounds`, as printed."""
-    names = ("measured", *(name for name, _, _ in _BOUNDS))
-    return "".join(f"{'-' if values[n] is None else format(values[n], '.3f'):>14}" for n in names)
+    return "".join(
+        f"{'-' if values.get(n) is None else format(values[n], '.3f'):>14}" for n in _HIT_RATE_NAMES
+    )
 
 
 _SERIES = (

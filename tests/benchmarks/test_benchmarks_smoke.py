@@ -73,10 +73,15 @@ def test_w1_smoke(tmp_path: Path) -> None:
         assert hits["min"] >= max(hits["replayed"], hits["seen_ahead"]), name
         if t["lookups"] == t["measured_lookups"]:  # the same batches: the replay is the cache
             assert hits["replayed"] == hits["measured"] <= hits["min"], name
+        # The best online: expected hits of the most probable rows, within the lookups.
+        assert 0 < hits["best_online"] < t["lookups"], name
     assert "MIN (Belady's optimal" in done.stdout and "MIN seeing 2" in done.stdout
     assert f"all {len(bounds['tables'])} tables" in done.stdout
     row = r["summary"]["table"][0]
     assert row["ours_min_hit_rate"] == bounds["overall"]["min"] > 0
+    assert row["ours_best_online_hit_rate"] == bounds["overall"]["best_online"] > 0
+    assert row["best_online_blocks_per_step"] > 0  # (its IOPS-bound rate needs the disk's)
+    assert "best online" in done.stdout and "without knowing future batches" in done.stdout
     assert row["ours_vs_A"] > 0 and row["ours_vs_B"] > 0
     assert set(r["summary"]["targets"]) >= {"ours_vs_A_at_15pct", "ours_vs_B_at_15pct"}
     if r["capped"]:

@@ -1,5 +1,6 @@
 """Access profiler: per-table bandwidth need, dedup ratio, hot rows and hit-rate curves (LRU's,
-and beside it the row cache's LFU and Belady's optimal MIN under the look-ahead window).
+and beside it the row cache's LFU and Belady's optimal MIN under the look-ahead window, and
+for ids drawn from a known law the most any policy can expect without knowing the future).
 
 The planner sizes each table's cache and picks its tier from an :class:`AccessProfile`:
 ``bytes_per_sample`` says how much bandwidth a table needs, ``hit_rate(cache_rows)`` how much of
@@ -8,6 +9,7 @@ its traffic a cache of a given size absorbs, ``hot_rows`` / ``access_skew`` what
 store it with ``to_json``; for a table without one use :func:`uniform_profile`.
 """
 
+from torchrec_mtrains.profiler.online_bound import best_online_hit_rates
 from torchrec_mtrains.profiler.plot import plot_profile
 from torchrec_mtrains.profiler.profiler import Batch, Profiler, ProfilerConfig, profile_batches
 from torchrec_mtrains.profiler.replacement import (
@@ -56,6 +58,7 @@ __all__ = [
     "TableProfile",
     "batch_hits",
     "batch_stack_distances",
+    "best_online_hit_rates",
     "hit_rate_curve",
     "hit_rates",
     "plot_profile",

@@ -152,6 +152,24 @@ class ZipfRankSampler:
         self._head_cdf = head_cdf / self._total
         self._head_mass = float(self._head_cdf[-1])
 
+    def rank_probabilities(self) -> npt.NDArray[np.float64]:
+        """Each rank's probability under this sampler, exactly as :meth:`sample` draws it (the
+        head's stored masses, then each tail rank's share of the continuous density over
+        ``[rank + 0.5, rank + 1.5)``): ``n`` floats that sum to 1."""
+        if self.exponent == 0.0:
+            return np.full(self.n, 1.0 / self.n)
+        out = np.empty(self.n, dtype=np.float64)
+        out[: self._head] = np.diff(self._head_cdf, prepend=0.0)
+        if self._head < self.n:
+            edges = np.arange(self._head, self.n + 1, dtype=np.float64) + 0.5
+            s = self.exponent
+            if abs(1.0 - s) < 1e-9:
+                antiderivative = np.log(edges)
+            else:
+                antiderivative = edges ** (1.0 - s) / (1.0 - s)
+            out[self._head :] = np.diff(antiderivative) / self._total
+        return out
+
     def sample(self, rng: np.random.Generator, size: int) -> npt.NDArray[np.int64]:
         """``size`` ranks in ``[0, n)``; rank 0 is the most popular."""
         if self.exponent == 0.0:
@@ -278,6 +296,14 @@ class SyntheticCriteoDataset(IterableDataset[Batch]):
         """Ids of the ``count`` most frequently drawn rows of ``table``, hottest first."""
         n = self.num_embeddings_per_feature[table]
         return self._permutations[table](np.arange(min(count, n)))
+
+    def row_probabilities(self, table: int) -> npt.NDArray[np.float64]:
+        """Each row's probability per id drawn for ``table`` (by id; ``n`` floats, 8 bytes a
+        row): every batch draws its ids independently from this law."""
+        p = self._samplers[table].rank_probabilities()
+        out = np.empty_like(p)
+        out[self._permutations[table](np.arange(p.size))] = p
+        return out
 
     def row_weights(self, table: int, ids: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """Hidden label weights of rows ``ids`` of ``table``: uniform, mean 0, variance 1."""

@@ -321,3 +321,26 @@ def test_torchrec_dlrm_trains_on_the_batches() -> None:
     logits = model(batch.dense_features, batch.sparse_features)
     assert logits.shape == (64, 1)
     torch.nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1), batch.labels).backward()
+
+
+@pytest.mark.parametrize("n,exponent", [(7, 0.0), (10, 1.1), (5000, 1.0), (200_000, 0.8)])
+def test_zipf_rank_probabilities_are_the_sampled_law(n: int, exponent: float) -> None:
+    sampler = ZipfRankSampler(n, exponent)
+    p = sampler.rank_probabilities()
+    assert p.shape == (n,) and p.sum() == pytest.approx(1.0, abs=1e-12)
+    assert np.all(np.diff(p) <= 1e-18)  # rank 0 the most likely
+    draws = 2_000_000
+    counts = np.bincount(sampler.sample(np.random.default_rng(1), draws), minlength=n)
+    # Each rank's count against its binomial spread, head and tail alike.
+    z = (counts - draws * p) / np.sqrt(draws * p * (1 - p))
+    assert np.abs(z).max() < 6.0
+
+
+def test_row_probabilities_follow_the_permutation() -> None:
+    n = 50_000
+    ds = SyntheticCriteoDataset(
+        _small(num_sparse_features=1, num_embeddings_per_feature=[n], zipf_exponents=[1.1])
+    )
+    p = ds.row_probabilities(0)
+    assert p.sum() == pytest.approx(1.0)
+    assert np.array_equal(np.argsort(-p, kind="stable")[:50], ds.hottest_rows(0, 50))
