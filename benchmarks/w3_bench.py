@@ -7,7 +7,7 @@ Zipf(``--zipf``) over ``--vocab`` distinct raw ids spread over a 2**40 id space,
 fixed functions of the raw ids, so an id that shares its row with another (a collision) costs
 quality.
 
-Variants, in this process, one after the other, from the same dense initial weights:
+Variants, in this process, from the same dense initial weights:
 
 * ``A'``: what users do today: each feature's ids hashed (``id % --hash-rows``) into a table on
   TorchRec's FUSED kernel that fits the DRAM budget;
@@ -17,8 +17,12 @@ Variants, in this process, one after the other, from the same dense initial weig
   bound, or when a batch does not fit), trained by the look-ahead pipeline (the next
   ``--lookahead`` batches' rows made and read while one trains; 0: the plain loop).
 
-Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches (samples/s
-over the timed steps), then is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
+Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches, the timed
+ones in windows of ``--window-steps`` taken in turn (A' then ours, then ours then A', ...), so
+both meet the same moments of a shared machine; samples/s over all of a variant's windows, and
+ours / A' per window. Then each is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
+A' needs its warm-up: its hashed tables run faster while few of their rows have been touched
+(2M samples/s in its first 500 steps here, 1.2M from step 1,000 on).
 Reported beside them: ours' live rows over the run, rows made and evicted, the bytes of a
 full checkpoint of ours (``torch.distributed.checkpoint`` of ``model.state_dict()`` and the
 fused optimizer's state) against live rows x (row + id) bytes, and of an incremental link of a
@@ -39,8 +43,11 @@ Run it::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +71,7 @@ from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, Embeddi
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from apps.dlrm.data import ZipfRankSampler
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
@@ -77,6 +85,7 @@ from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats
 
 FEATURES = ("user", "item")
+VARIANTS = ("A'", "ours")
 ID_SPACE = 2**40
 LEARNING_RATE = 0.05
 
@@ -95,12 +104,11 @@ class Stream:
         self.rng = np.random.default_rng(seed)
         self.args = args
         self.ids_below = ids_below
-        ranks = np.arange(1, args.vocab + 1, dtype=np.float64)
-        weights = ranks ** (-args.zipf)
-        self.cdf = np.cumsum(weights / weights.sum())
+        # O(1) memory in the vocabulary: a billion distinct ids cost nothing to draw from.
+        self.ranks = ZipfRankSampler(args.vocab, args.zipf)
 
     def raw_ids(self, n: int, salt: int) -> np.ndarray[Any, Any]:
-        ranks = np.searchsorted(self.cdf, self.rng.random(n)).astype(np.uint64)
+        ranks = self.ranks.sample(self.rng, n).astype(np.uint64)
         ids = _hash(ranks, salt) & np.uint64(ID_SPACE - 1)
         if self.ids_below:
             ids %= np.uint64(self.ids_below)
@@ -272,61 +280,103 @@ def check(args: argparse.Namespace, root: Path) -> int:
     return args.check_steps
 
 
-def run(
-    args: argparse.Namespace, variant: str, root: Path, eval_batches: list[Any]
-) -> dict[str, Any]:
-    model = build(args, variant, root / variant)
-    opt = dense_optimizer(model)
-    modulo = args.hash_rows if variant == "A'" else 0
+def distinct_ids(args: argparse.Namespace) -> dict[str, int]:
+    """Per feature, the distinct raw ids of the batches both variants train on (warm-up and
+    timed), from the same stream drawn again."""
     stream = Stream(args, seed=1)
-    live: list[tuple[int, int]] = []
-    for _ in range(args.warmup):
-        step(model, opt, stream.batch(), modulo)
+    seen: dict[str, list[np.ndarray[Any, Any]]] = {f: [] for f in FEATURES}
+    for _ in range(args.warmup + args.steps):
+        ids, _ = stream.batch()
+        for f in FEATURES:
+            seen[f].append(ids[f].numpy())
+    return {f: int(np.unique(np.concatenate(parts)).size) for f, parts in seen.items()}
+
+
+def run_side_by_side(
+    args: argparse.Namespace, root: Path, eval_batches: list[Any]
+) -> dict[str, dict[str, Any]]:
+    """Trains ``A'`` and ``ours`` on the same batches, the timed steps in alternating windows
+    of ``--window-steps`` (each variant's model and batch position carried over; which goes
+    first alternates from window to window), so that both see the same state of a shared and
+    noisy machine; then evaluates both and measures ours' checkpoints.
+
+    During A''s windows ours' look-ahead pipeline holds its next batches, whose rows its
+    worker had planned and read by the end of ours' window (at most ``--lookahead`` batches'
+    work spills into A''s window)."""
+    stream = Stream(args, seed=1)
+    warmup = [stream.batch() for _ in range(args.warmup)]
+    models = {v: build(args, v, root / v) for v in VARIANTS}
+    opts = {v: dense_optimizer(m) for v, m in models.items()}
+    modulo = {"A'": args.hash_rows, "ours": 0}
+    for v in VARIANTS:  # the plain loop, untimed
+        for raw in warmup:
+            step(models[v], opts[v], raw, modulo[v])
+    del warmup
     batches = [stream.batch() for _ in range(args.steps)]
-    lookahead = args.lookahead if variant == "ours" else 0
-    started = time.perf_counter()
-    losses = []
-
-    def note_live(i: int) -> None:
-        if variant == "ours" and i % max(1, args.steps // 40) == 0:
-            live.append(
-                (args.warmup + i, sum(int(s["live_rows"]) for s in tier_stats(model).values()))
-            )
-
-    if lookahead:  # the look-ahead pipeline: rows of the next batches made and read meanwhile
-        pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
-            model, opt, torch.device("cpu"), lookahead=lookahead
+    seconds = dict.fromkeys(VARIANTS, 0.0)
+    windows: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    losses: dict[str, list[torch.Tensor]] = {v: [] for v in VARIANTS}
+    live: list[tuple[int, int]] = []
+    every = max(1, args.steps // 1000)  # ~1,000 points: several within each eviction round
+    pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
+    if args.lookahead:  # ours: the rows of the next batches made and read meanwhile
+        pipeline = LookaheadTrainPipeline(
+            models["ours"], opts["ours"], torch.device("cpu"), lookahead=args.lookahead
         )
-        with pipeline:
-            it = iter([as_batch(b, modulo) for b in batches])
-            for i in range(len(batches)):
-                loss, _ = pipeline.progress(it)
-                losses.append(loss)
-                note_live(i)
-    else:
-        for i, batch in enumerate(batches):
-            losses.append(step(model, opt, batch, modulo))
-            note_live(i)
-    seconds = time.perf_counter() - started
-    ne, auc = evaluate(model, eval_batches, modulo)
-    out: dict[str, Any] = {
-        "samples_per_s": args.steps * args.batch_size / seconds,
-        "eval_ne": ne,
-        "eval_auc": auc,
-        "train_loss_last_10pct": float(torch.stack(losses[-max(1, len(losses) // 10) :]).mean()),
-    }
-    if variant == "ours":
-        stats = tier_stats(model)
-        out["live_rows_over_steps"] = live
-        out["tables"] = {
-            name: {
-                k: s[k]
-                for k in ("live_rows", "rows_made", "rows_evicted", "eviction_rounds", "hit_rate")
-            }
-            for name, s in stats.items()
+    ours_batches = iter(as_batch(raw, 0) for raw in batches)
+
+    def train(variant: str, first: int, end: int) -> None:
+        started = time.perf_counter()
+        for i in range(first, end):
+            if variant == "A'" or pipeline is None:
+                loss = step(models[variant], opts[variant], batches[i], modulo[variant])
+            else:
+                loss, _ = pipeline.progress(ours_batches)
+            losses[variant].append(loss)
+            if variant == "ours" and i % every == 0:
+                rows = sum(int(s["live_rows"]) for s in tier_stats(models["ours"]).values())
+                live.append((args.warmup + i, rows))
+        took = time.perf_counter() - started
+        seconds[variant] += took
+        windows[variant].append((end - first) * args.batch_size / took)
+
+    # The garbage collector's full passes walk every object alive, the prepared batches too,
+    # more often the longer the run: both variants train with the objects of now frozen (the
+    # look-ahead pipeline would freeze them for ours alone).
+    gc.collect()
+    gc.freeze()
+    try:
+        with pipeline if pipeline is not None else contextlib.nullcontext():
+            for w, first in enumerate(range(0, args.steps, args.window_steps)):
+                end = min(first + args.window_steps, args.steps)
+                for variant in VARIANTS if w % 2 == 0 else VARIANTS[::-1]:
+                    train(variant, first, end)
+    finally:
+        gc.unfreeze()
+    out: dict[str, dict[str, Any]] = {}
+    for v in VARIANTS:
+        ne, auc = evaluate(models[v], eval_batches, modulo[v])
+        tail = losses[v][-max(1, len(losses[v]) // 10) :]
+        out[v] = {
+            "samples_per_s": args.steps * args.batch_size / seconds[v],
+            "window_samples_per_s": windows[v],
+            "eval_ne": ne,
+            "eval_auc": auc,
+            "train_loss_last_10pct": float(torch.stack(tail).mean()),
         }
-        out["checkpoint"] = checkpoint_bytes(model, args, root / "ckpt")
-        out["chain"] = chain_bytes(model, opt, args, root, stream)
+    ratios = [o / a for o, a in zip(windows["ours"], windows["A'"])]
+    out["ours"]["window_ratios"] = ratios
+    stats = tier_stats(models["ours"])
+    out["ours"]["live_rows_over_steps"] = live
+    out["ours"]["tables"] = {
+        name: {
+            k: s[k]
+            for k in ("live_rows", "rows_made", "rows_evicted", "eviction_rounds", "hit_rate")
+        }
+        for name, s in stats.items()
+    }
+    out["ours"]["checkpoint"] = checkpoint_bytes(models["ours"], args, root / "ckpt")
+    out["ours"]["chain"] = chain_bytes(models["ours"], opts["ours"], args, root, stream)
     return out
 
 
@@ -426,8 +476,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps, live = zip(*result["ours"]["live_rows_over_steps"])
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(steps, live, label="ours: live rows (both tables)")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, live, lw=0.8, label="ours: live rows (both tables)")
     ax.axhline(
         2 * result["args"]["live_rows"], color="r", ls="--", label="bound (max_live_rows x 2)"
     )
@@ -437,7 +487,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("rows")
     ax.set_title("W3: live rows of the virtual tables over the run")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylim(0, 2.25 * result["args"]["live_rows"])
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -447,7 +498,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None, help="default: --out with .png")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=1000, help="untimed steps per variant")
+    parser.add_argument(
+        "--window-steps", type=int, default=500, help="timed steps per window (alternating)"
+    )
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=4_000_000, help="distinct raw ids per feature")
@@ -483,11 +537,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result: dict[str, Any] = {
                 "args": vars(args) | {"out": str(args.out), "png": str(args.png)}
             }
-            for variant in ("A'", "ours"):
-                result[variant] = run(args, variant, root, eval_batches)
+            result["distinct_ids"] = distinct_ids(args)
+            result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     a, ours = result["A'"], result["ours"]
+    print(
+        "distinct raw ids over the run's batches (warm-up and timed): "
+        + ", ".join(f"{f} {n:,}" for f, n in result["distinct_ids"].items())
+    )
+    ratios = sorted(ours["window_ratios"])
+    print(
+        f"ours / A' per window of {args.window_steps} steps ({len(ratios)} each, in turns): "
+        f"median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}"
+    )
     print(f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9}")
     for name in ("A'", "ours"):
         r = result[name]

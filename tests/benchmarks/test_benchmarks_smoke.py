@@ -328,6 +328,7 @@ def test_w3_smoke(tmp_path: Path) -> None:
     done = _run(
         "w3_bench.py",
         *("--steps", "12", "--warmup", "2", "--batch-size", "256", "--vocab", "20000"),
+        *("--window-steps", "5"),
         *("--live-rows", "1500", "--hash-rows", "512", "--dim", "16", "--eval-batches", "2"),
         *("--cache-load-factor", "0.5"),
         *("--out", str(out), "--dir", str(tmp_path)),
@@ -336,11 +337,17 @@ def test_w3_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     for variant in ("A'", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
+        # 12 timed steps in windows of 5, taken in turns
+        assert len(result[variant]["window_samples_per_s"]) == 3
+    assert len(result["ours"]["window_ratios"]) == 3 and "per window of 5 steps" in done.stdout
     tables = result["ours"]["tables"]
     assert set(tables) == {"user", "item"}
-    for stats in tables.values():  # the bound held: ids past it were evicted
+    for name, stats in tables.items():  # the bound held: ids past it were evicted
         assert stats["live_rows"] <= 1500 and stats["rows_evicted"] > 0
         assert stats["rows_made"] == stats["live_rows"] + stats["rows_evicted"]
+        # every distinct id was made at least once (ids seen only in the check are not)
+        assert 0 < result["distinct_ids"][name] <= stats["rows_made"]
+    assert "distinct raw ids over the run's batches" in done.stdout
     checkpoint = result["ours"]["checkpoint"]
     assert checkpoint["live_rows"] == sum(t["live_rows"] for t in tables.values())
     # live rows only, not the bound (at this size dcp's own files weigh: W3 runs the real one)
