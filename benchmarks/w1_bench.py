@@ -449,7 +449,7 @@ class StreamIds:
         draws = self.workload.batch_size  # one id per sample and table
         first, end = batches
         after = np.unique(np.linspace(first, end - 1, num=min(10, end - first)).round()).astype(int)
-        return float(best_online_hit_rates(p, draws, [cache_rows], after_batches=after)[0])
+        return float(best_online_hit_rates(p, draws, [cache_rows], after_batches=after.tolist())[0])
 
     def batches(self, table: str, count: int) -> list[np.ndarray]:
         """The first ``count`` batches' sorted unique ids of ``table``."""
