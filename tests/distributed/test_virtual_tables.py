@@ -461,3 +461,23 @@ def test_the_planner_sizes_a_virtual_table_from_its_bound_and_the_plan_trains(
     )
     assert out.values().shape == (1, 128)
     assert tier_stats(model)["t_v"]["live_rows"] == 2
+
+
+def test_live_rows_without_room_on_disk_are_refused_naming_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from torchrec_mtrains.distributed import virtual_state
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(virtual_state.os, "posix_fallocate", full)
+    monkeypatch.setattr(virtual_state, "FILE_BACKED_BYTES", 0)
+    with pytest.raises(OSError, match=r"live_rows: no room for 4096 bytes") as e:
+        virtual_state.live_row_buffer(64, 16, torch.float32, tmp_path)
+    assert e.value.errno == errno.ENOSPC
+    assert list((tmp_path / virtual_state.LIVE_ROWS_DIR).iterdir()) == []  # nothing left
+    small = virtual_state.live_row_buffer(64, 16, torch.float32, None)  # no directory: memory
+    assert small.untyped_storage().filename is None

@@ -109,13 +109,19 @@ def live_row_buffer(
     back and dropped under memory pressure as dcp streams them out; anonymous memory could only
     go to swap. The file lives as long as the tensor does, and no longer."""
     nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
-    if directory is None or nbytes < FILE_BACKED_BYTES:
+    if directory is None or nbytes == 0 or nbytes < FILE_BACKED_BYTES:
         return torch.empty(rows, width, dtype=dtype)
     folder = os.path.join(directory, LIVE_ROWS_DIR)
     os.makedirs(folder, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="rows.", dir=folder)
     try:
-        os.ftruncate(fd, nbytes)
+        # Reserved now, so a full disk is an error here, not a SIGBUS at a write through the map.
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"{folder}: no room for {nbytes} bytes of a state dict's live rows"
+            ) from e
         mapped = torch.from_file(path, shared=True, size=rows * width, dtype=dtype)
     finally:
         os.close(fd)
