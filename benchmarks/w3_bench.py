@@ -21,8 +21,8 @@ Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batche
 ones in windows of ``--window-steps`` taken in turn (A' then ours, then ours then A', ...), so
 both meet the same moments of a shared machine; samples/s over all of a variant's windows, and
 ours / A' per window. Then each is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
-A' needs its warm-up: its hashed tables run faster while few of their rows have been touched
-(2M samples/s in its first 500 steps here, 1.2M from step 1,000 on).
+A' needs its warm-up: it runs faster in its first steps (2M samples/s in its first 500 here,
+1.2M from step 1,000 on, at 4M ids).
 Reported beside them: ours' live rows over the run, rows made and evicted, the bytes of a
 full checkpoint of ours (``torch.distributed.checkpoint`` of ``model.state_dict()`` and the
 fused optimizer's state) against live rows x (row + id) bytes, and of an incremental link of a
