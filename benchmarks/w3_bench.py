@@ -35,6 +35,11 @@ FUSED model whose tables hold ``--check-rows`` rows filled by the virtual tables
 train ``--check-steps`` steps on ids below ``--check-rows``: their losses must be equal, bit for
 bit (the benchmark stops otherwise).
 
+Both variants run with ``THP_MEM_ALLOC_ENABLE=1``, as W1's do (run as a script, the benchmark
+starts itself again with it set; ``--no-thp`` runs without): PyTorch then backs large tensors
+with transparent huge pages. Without them A''s speed moved ~2x from run to run and window to
+window here (0.64M to 2.3M samples/s), ours' much less.
+
 Run it::
 
     python -m benchmarks.w3_bench --out results/w3.json
@@ -46,6 +51,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -72,6 +78,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
+from torchrec_mtrains.cache.id_map import map_bytes
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
@@ -82,8 +89,12 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
-from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats, tiered_groups
+from torchrec_mtrains.planner.perf_model import ID_MAP_BYTES, SLOT_OVERHEAD_BYTES
+from torchrec_mtrains.types import stored_row_bytes
 
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+"""PyTorch backs large tensors with transparent huge pages when this is ``1``, as W1 runs."""
 FEATURES = ("user", "item")
 VARIANTS = ("A'", "ours")
 ID_SPACE = 2**40
@@ -280,6 +291,23 @@ def check(args: argparse.Namespace, root: Path) -> int:
     return args.check_steps
 
 
+def dram_bytes(args: argparse.Namespace, ours: DistributedModelParallel) -> dict[str, int]:
+    """Host memory each variant's embeddings take besides the tier: A''s hashed tables (rows
+    and row-wise state), against ours' caches (rows and per-slot state), the caches' id -> slot
+    maps over the stores' rows, and the virtual tables' id -> row maps with their eviction
+    statistics (as the planner counts them). Ours' stores, on a tier, are not counted."""
+    a = len(FEATURES) * args.hash_rows * stored_row_bytes(args.dim, 1, 4)
+    o = 0
+    for group in tiered_groups(ours):
+        for shard in group.shards:
+            assert shard.virtual is not None
+            slots = shard.cache.num_slots
+            o += slots * (shard.store.layout.row_bytes + SLOT_OVERHEAD_BYTES)
+            o += shard.store.layout.num_rows * ID_MAP_BYTES
+            o += map_bytes(shard.virtual.id_map.capacity)
+    return {"A'": a, "ours": o}
+
+
 def distinct_ids(args: argparse.Namespace) -> dict[str, int]:
     """Per feature, the distinct raw ids of the batches both variants train on (warm-up and
     timed), from the same stream drawn again."""
@@ -375,6 +403,9 @@ def run_side_by_side(
         }
         for name, s in stats.items()
     }
+    dram = dram_bytes(args, models["ours"])
+    for v in VARIANTS:
+        out[v]["dram_bytes"] = dram[v]
     out["ours"]["checkpoint"] = checkpoint_bytes(models["ours"], args, root / "ckpt")
     out["ours"]["chain"] = chain_bytes(models["ours"], opts["ours"], args, root, stream)
     return out
@@ -523,6 +554,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--check-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
+    parser.add_argument(
+        "--no-thp",
+        action="store_true",
+        help=f"run without {THP_ENV}=1 (4 KiB pages for tensors; A''s speed then varies ~2x)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="w3-", dir=args.dir))
@@ -535,13 +571,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             eval_stream = Stream(args, seed=2)
             eval_batches = [eval_stream.batch() for _ in range(args.eval_batches)]
             result: dict[str, Any] = {
-                "args": vars(args) | {"out": str(args.out), "png": str(args.png)}
+                "args": vars(args) | {"out": str(args.out), "png": str(args.png)},
+                "thp": os.environ.get(THP_ENV) == "1",
             }
             result["distinct_ids"] = distinct_ids(args)
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     a, ours = result["A'"], result["ours"]
+    print(f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}")
     print(
         "distinct raw ids over the run's batches (warm-up and timed): "
         + ", ".join(f"{f} {n:,}" for f, n in result["distinct_ids"].items())
@@ -550,6 +588,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(
         f"ours / A' per window of {args.window_steps} steps ({len(ratios)} each, in turns): "
         f"median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}"
+    )
+    print(
+        f"host memory of the embeddings (the tier aside): A' {a['dram_bytes'] / 2**20:,.1f} MiB, "
+        f"ours {ours['dram_bytes'] / 2**20:,.1f} MiB (caches of {args.cache_load_factor:g} x "
+        f"max_live_rows, their slot state and maps, the id maps)"
     )
     print(f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9}")
     for name in ("A'", "ours"):
@@ -588,4 +631,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    if "--no-thp" not in sys.argv and os.environ.get(THP_ENV) != "1":
+        # PyTorch reads it once, at its first large allocation: only a new process takes it.
+        os.execve(
+            sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, THP_ENV: "1"}
+        )
     main(sys.argv[1:])

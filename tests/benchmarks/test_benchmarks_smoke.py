@@ -340,6 +340,12 @@ def test_w3_smoke(tmp_path: Path) -> None:
         # 12 timed steps in windows of 5, taken in turns
         assert len(result[variant]["window_samples_per_s"]) == 3
     assert len(result["ours"]["window_ratios"]) == 3 and "per window of 5 steps" in done.stdout
+    # A''s hashed tables' bytes; ours' caches (half of 1,500 rows a table) and maps
+    assert result["A'"]["dram_bytes"] == 2 * 512 * (16 * 4 + 4)
+    assert result["ours"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4)
+    assert "host memory of the embeddings" in done.stdout
+    # started again with huge pages for tensors, as W1's variants run
+    assert result["thp"] and "huge pages for tensors (THP_MEM_ALLOC_ENABLE=1): on" in done.stdout
     tables = result["ours"]["tables"]
     assert set(tables) == {"user", "item"}
     for name, stats in tables.items():  # the bound held: ids past it were evicted
