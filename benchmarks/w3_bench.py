@@ -37,7 +37,7 @@ bit (the benchmark stops otherwise).
 
 Both variants run with ``THP_MEM_ALLOC_ENABLE=1``, as W1's do (run as a script, the benchmark
 starts itself again with it set; ``--no-thp`` runs without): PyTorch then backs large tensors
-with transparent huge pages. Without them A''s speed moved ~2x from run to run and window to
+with transparent huge pages. Without them the speed of A' moved ~2x from run to run and window to
 window here (0.64M to 2.3M samples/s), ours' much less.
 
 Run it::
@@ -292,7 +292,7 @@ def check(args: argparse.Namespace, root: Path) -> int:
 
 
 def dram_bytes(args: argparse.Namespace, ours: DistributedModelParallel) -> dict[str, int]:
-    """Host memory each variant's embeddings take besides the tier: A''s hashed tables (rows
+    """Host memory each variant's embeddings take besides the tier: the hashed tables of A' (rows
     and row-wise state), against ours' caches (rows and per-slot state), the caches' id -> slot
     maps over the stores' rows, and the virtual tables' id -> row maps with their eviction
     statistics (as the planner counts them). Ours' stores, on a tier, are not counted."""
@@ -328,9 +328,9 @@ def run_side_by_side(
     first alternates from window to window), so that both see the same state of a shared and
     noisy machine; then evaluates both and measures ours' checkpoints.
 
-    During A''s windows ours' look-ahead pipeline holds its next batches, whose rows its
+    During the windows of A', ours' look-ahead pipeline holds its next batches, whose rows its
     worker had planned and read by the end of ours' window (at most ``--lookahead`` batches'
-    work spills into A''s window)."""
+    work spills into a window of A')."""
     stream = Stream(args, seed=1)
     warmup = [stream.batch() for _ in range(args.warmup)]
     models = {v: build(args, v, root / v) for v in VARIANTS}
@@ -557,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--no-thp",
         action="store_true",
-        help=f"run without {THP_ENV}=1 (4 KiB pages for tensors; A''s speed then varies ~2x)",
+        help=f"run without {THP_ENV}=1 (4 KiB pages for tensors; the speed of A' then varies ~2x)",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
