@@ -53,7 +53,7 @@ from torchrec_mtrains._compat.torch_internals import (
     remote_device,
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
-from torchrec_mtrains.tiers.dram import DramStore
+from torchrec_mtrains.types import Tier
 
 ID_KEY = "weight_id"
 BUCKET_KEY = "bucket"
@@ -108,7 +108,7 @@ def live_row_buffer(
     table on SCM may not fit host memory. A file mapping's pages are the page cache's, written
     back and dropped under memory pressure as dcp streams them out; anonymous memory could only
     go to swap. The file lives as long as the tensor does, and no longer."""
-    nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
+    nbytes = rows * width * dtype.itemsize
     if directory is None or nbytes == 0 or nbytes < FILE_BACKED_BYTES:
         return torch.empty(rows, width, dtype=dtype)
     folder = os.path.join(directory, LIVE_ROWS_DIR)
@@ -147,7 +147,7 @@ def read_live_rows(shard: TieredTableShard, weights: bool = True, states: bool =
     store = shard.store
     layout = store.layout
     dim, count = layout.dim, len(rows)
-    spill = None if store.name == DramStore.name else store.directory
+    spill = None if store.serves_tier == Tier.DRAM.value else store.directory
     out_weights = live_row_buffer(count if weights else 0, dim, layout.dtype.torch_dtype, spill)
     out_states = [
         live_row_buffer(count if states else 0, int(view.shape[1]), view.dtype, spill)
