@@ -78,7 +78,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
-from torchrec_mtrains.cache.id_map import map_bytes
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
@@ -90,7 +89,7 @@ from torchrec_mtrains.distributed import (
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats, tiered_groups
-from torchrec_mtrains.planner.perf_model import ID_MAP_BYTES, SLOT_OVERHEAD_BYTES
+from torchrec_mtrains.planner.perf_model import cache_bytes, slot_map_bytes
 from torchrec_mtrains.types import stored_row_bytes
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
@@ -295,16 +294,15 @@ def dram_bytes(args: argparse.Namespace, ours: DistributedModelParallel) -> dict
     """Host memory each variant's embeddings take besides the tier: the hashed tables of A' (rows
     and row-wise state), against ours' caches (rows and per-slot state), the caches' id -> slot
     maps over the stores' rows, and the virtual tables' id -> row maps with their eviction
-    statistics (as the planner counts them). Ours' stores, on a tier, are not counted."""
+    statistics (as the planner counts them). Ours' stores, on a tier, are not counted, nor a
+    log-structured tier's index (W3's default tier, byte SCM, keeps none)."""
     a = len(FEATURES) * args.hash_rows * stored_row_bytes(args.dim, 1, 4)
     o = 0
     for group in tiered_groups(ours):
         for shard in group.shards:
-            assert shard.virtual is not None
-            slots = shard.cache.num_slots
-            o += slots * (shard.store.layout.row_bytes + SLOT_OVERHEAD_BYTES)
-            o += shard.store.layout.num_rows * ID_MAP_BYTES
-            o += map_bytes(shard.virtual.id_map.capacity)
+            layout = shard.store.layout
+            o += cache_bytes(shard.cache.num_slots, layout.row_bytes)
+            o += slot_map_bytes(layout.num_rows, virtual=shard.virtual is not None)
     return {"A'": a, "ours": o}
 
 

@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from torchrec_mtrains.cache.id_map import map_bytes
 from torchrec_mtrains.planner.topology import BlockTierConfig, HostTopology, MemoryTierConfig
 from torchrec_mtrains.types import Tier, stored_row_bytes
 
@@ -77,12 +78,14 @@ __all__ = [
     "StepTime",
     "block_tier_time",
     "byte_tier_time",
+    "cache_bytes",
     "cache_time",
     "comms_time",
     "compute_time",
     "distinct_units",
     "partial_units_per_row",
     "shard_step_time",
+    "slot_map_bytes",
     "units_per_row",
 ]
 
@@ -95,6 +98,18 @@ ID_MAP_BYTES = 4
 SLOT_OVERHEAD_BYTES = 32
 """Cache-tier memory per cache slot besides the row: slot -> id, dirty / pinned / hold flags,
 the eviction policy's per-slot state."""
+
+
+def cache_bytes(cache_rows: int, row_bytes: int) -> int:
+    """Memory of a tiered shard's cache: its rows and each slot's state."""
+    return cache_rows * (row_bytes + SLOT_OVERHEAD_BYTES)
+
+
+def slot_map_bytes(stored_rows: int, virtual: bool) -> int:
+    """Host memory of a tiered shard's maps over its ``stored_rows`` store rows: the cache's
+    id -> slot map and, for a virtual table, its id -> row map with its eviction statistics."""
+    return stored_rows * ID_MAP_BYTES + (map_bytes(stored_rows) if virtual else 0)
+
 
 _NS = 1e-9
 _US = 1e-6

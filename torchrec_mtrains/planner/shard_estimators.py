@@ -22,15 +22,14 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingType
 
-from torchrec_mtrains.cache.id_map import map_bytes
 from torchrec_mtrains.planner.access import TableAccess
 from torchrec_mtrains.planner.perf_model import (
-    ID_MAP_BYTES,
-    SLOT_OVERHEAD_BYTES,
     Placement,
     ShardWork,
     StepTime,
+    cache_bytes,
     shard_step_time,
+    slot_map_bytes,
 )
 from torchrec_mtrains.planner.topology import BlockTierConfig
 from torchrec_mtrains.planner.types import PlanningContext, TieredShardingOption
@@ -160,12 +159,9 @@ class TieredShardEstimator(ShardEstimator):
             out[Tier.HBM] = out.get(Tier.HBM, 0) + cache_rows * row_bytes
         elif placement.cached:  # the tiered kernel: cache + its slot map
             cache_tier = self.context.host.cache_tier
-            out[cache_tier] = out.get(cache_tier, 0) + cache_rows * (
-                row_bytes + SLOT_OVERHEAD_BYTES
-            )
-            out[Tier.DRAM] = out.get(Tier.DRAM, 0) + rows * ID_MAP_BYTES
-            if option.live_rows is not None:  # a virtual table's id -> row map
-                out[Tier.DRAM] += map_bytes(rows)
+            out[cache_tier] = out.get(cache_tier, 0) + cache_bytes(cache_rows, row_bytes)
+            virtual = option.live_rows is not None  # a virtual table: its id -> row map too
+            out[Tier.DRAM] = out.get(Tier.DRAM, 0) + slot_map_bytes(rows, virtual)
             tier = self.context.host.memory(placement.rows_tier)
             if isinstance(tier, BlockTierConfig) and tier.layout == "log":  # the log's index
                 index = math.ceil(rows * index_bytes_per_row(rows, tier.max_space_amplification))
