@@ -306,16 +306,16 @@ def dram_bytes(args: argparse.Namespace, ours: DistributedModelParallel) -> dict
     return {"A'": a, "ours": o}
 
 
-def distinct_ids(args: argparse.Namespace) -> dict[str, int]:
-    """Per feature, the distinct raw ids of the batches both variants train on (warm-up and
-    timed), from the same stream drawn again."""
-    stream = Stream(args, seed=1)
-    seen: dict[str, list[np.ndarray[Any, Any]]] = {f: [] for f in FEATURES}
-    for _ in range(args.warmup + args.steps):
-        ids, _ = stream.batch()
-        for f in FEATURES:
-            seen[f].append(ids[f].numpy())
-    return {f: int(np.unique(np.concatenate(parts)).size) for f, parts in seen.items()}
+def distinct_ids(*batch_lists: list[Any]) -> dict[str, int]:
+    """Per feature, the distinct raw ids of ``batch_lists`` (raw batches)."""
+    return {
+        f: int(
+            np.unique(
+                np.concatenate([ids[f].numpy() for part in batch_lists for ids, _ in part])
+            ).size
+        )
+        for f in FEATURES
+    }
 
 
 def run_side_by_side(
@@ -324,7 +324,8 @@ def run_side_by_side(
     """Trains ``A'`` and ``ours`` on the same batches, the timed steps in alternating windows
     of ``--window-steps`` (each variant's model and batch position carried over; which goes
     first alternates from window to window), so that both see the same state of a shared and
-    noisy machine; then evaluates both and measures ours' checkpoints.
+    noisy machine; then evaluates both and measures ours' checkpoints. Also returns, under
+    ``distinct_ids``, each feature's distinct raw ids over the warm-up and timed batches.
 
     During the windows of A', ours' look-ahead pipeline holds its next batches, whose rows its
     worker had planned and read by the end of ours' window (at most ``--lookahead`` batches'
@@ -337,8 +338,9 @@ def run_side_by_side(
     for v in VARIANTS:  # the plain loop, untimed
         for raw in warmup:
             step(models[v], opts[v], raw, modulo[v])
-    del warmup
     batches = [stream.batch() for _ in range(args.steps)]
+    distinct = distinct_ids(warmup, batches)
+    del warmup
     seconds = dict.fromkeys(VARIANTS, 0.0)
     windows: dict[str, list[float]] = {v: [] for v in VARIANTS}
     losses: dict[str, list[torch.Tensor]] = {v: [] for v in VARIANTS}
@@ -404,6 +406,7 @@ def run_side_by_side(
     dram = dram_bytes(args, models["ours"])
     for v in VARIANTS:
         out[v]["dram_bytes"] = dram[v]
+    out["distinct_ids"] = distinct
     out["ours"]["checkpoint"] = checkpoint_bytes(models["ours"], args, root / "ckpt")
     out["ours"]["chain"] = chain_bytes(models["ours"], opts["ours"], args, root, stream)
     return out
@@ -572,7 +575,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "args": vars(args) | {"out": str(args.out), "png": str(args.png)},
                 "thp": os.environ.get(THP_ENV) == "1",
             }
-            result["distinct_ids"] = distinct_ids(args)
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
