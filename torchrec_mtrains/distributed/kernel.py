@@ -32,6 +32,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
+    OptimType,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
@@ -150,37 +151,7 @@ def _build_cache_module(
         table_names=[t.name for t in config.embedding_tables],
         **fused_params,
     )
-    _refuse_row_resets(module, [t.name for t, o in zip(config.embedding_tables, options) if o])
     return module, options
-
-
-def _refuse_row_resets(module: SplitTableBatchedEmbeddingBagsCodegen, tiered: list[str]) -> None:
-    """TorchRec's managed-collision modules reset evicted rows by calling fbgemm's
-    ``reset_embedding_weight_momentum`` with row ids on the kernel's module; for a tiered table
-    those would land on cache slots, not rows. Such a call for a tiered table is refused,
-    naming it; resident tables keep fbgemm's behaviour."""
-    if not tiered:
-        return
-    names = list(module.table_names) if getattr(module, "table_names", None) else []
-    original = module.reset_embedding_weight_momentum
-
-    def reset(*args: Any, **kwargs: Any) -> Any:
-        ids = kwargs.get("logical_table_ids", args[2] if len(args) > 2 else None)
-        hit = (
-            tiered
-            if ids is None or not names
-            else [names[int(i)] for i in ids.tolist() if names[int(i)] in tiered]
-        )
-        if hit:
-            raise NotImplementedError(
-                f"tables {', '.join(repr(n) for n in hit)}: a managed-collision eviction reset "
-                "rows of a tiered table, which the tiered kernel does not support yet; size "
-                "the managed-collision module (zch_size) so that it does not evict, or keep "
-                "that table on TorchRec's kernels"
-            )
-        return original(*args, **kwargs)
-
-    module.reset_embedding_weight_momentum = reset
 
 
 def _rank_of(pg: dist.ProcessGroup | None) -> int:
@@ -417,6 +388,7 @@ class _TieredKernelMixin(_KernelBase):
             aliases, more = alias_registry(list(views.values()))
             registry.update(more)
             states.append(dict(zip(views.keys(), aliases)))
+        self._route_row_resets()
         self._optim = _TierBackedFusedOptimizer(
             _placed_on_host(config),
             self.emb_module,
@@ -431,6 +403,48 @@ class _TieredKernelMixin(_KernelBase):
             for value in param_state.values():
                 if isinstance(value, ShardedTensor):
                     swap_aliases(value, registry)
+
+    def _route_row_resets(self) -> None:
+        """TorchRec's managed-collision modules reset the rows of the slots they give to new ids
+        by calling fbgemm's ``reset_embedding_weight_momentum`` with row ids on the kernel's
+        module. A tiered table's rows there are cache slots, so its rows are reset where they
+        live instead (:meth:`TieredTableGroup.set_rows`), as fbgemm resets a whole table's: the
+        weights and the row-wise momentum to zero under ``EXACT_ROWWISE_ADAGRAD``, nothing
+        under the other optimizers. Resident tables keep fbgemm's own reset."""
+        module = self.emb_module
+        original = module.reset_embedding_weight_momentum
+        tiered = self._tiered_index
+
+        def reset(
+            pruned_indices: torch.Tensor,
+            pruned_indices_offsets: torch.Tensor,
+            logical_table_ids: torch.Tensor,
+            buffer_ids: torch.Tensor,
+        ) -> None:
+            pairs = list(zip(logical_table_ids.tolist(), buffer_ids.tolist()))
+            others = [(t, b) for t, b in pairs if t not in tiered]
+            if others:
+                original(
+                    pruned_indices=pruned_indices,
+                    pruned_indices_offsets=pruned_indices_offsets,
+                    logical_table_ids=torch.tensor([t for t, _ in others], dtype=torch.int32),
+                    buffer_ids=torch.tensor([b for _, b in others], dtype=torch.int32),
+                )
+            if len(others) == len(pairs):
+                return
+            if module.optimizer == OptimType.NONE:
+                raise NotImplementedError(
+                    f"Resetting embedding weight momentum is not supported for {module.optimizer}"
+                )
+            if module.optimizer != OptimType.EXACT_ROWWISE_ADAGRAD:
+                return  # fbgemm resets nothing then
+            offsets = pruned_indices_offsets.tolist()
+            for t, b in pairs:
+                if t in tiered:
+                    ids = pruned_indices[offsets[b] : offsets[b + 1]]
+                    self.tiers.set_rows(tiered[t], ids, weights=torch.zeros(()), zero_states=True)
+
+        module.reset_embedding_weight_momentum = reset
 
     def _table_weights(self) -> list[torch.Tensor]:
         """Every table's weights, in config order: a tier view for a tiered table, fbgemm's

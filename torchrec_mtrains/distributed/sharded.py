@@ -58,6 +58,7 @@ from torchrec_mtrains.distributed.sharded_state import (
     init_sharded_tensor,
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
+from torchrec_mtrains.distributed.tier_rows_param import TierRowsParameter
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 from torchrec_mtrains.distributed.virtual_state import (
     BUCKET_KEY,
@@ -350,6 +351,7 @@ class _TieredShardedMixin(_ShardedBase):
         for name in self._tiered_table_names():
             if name in virtual:  # live rows, built per state dict: see _virtual_state_entries
                 continue
+            self._expose_rows(name)
             local = [
                 Shard(group.views.weight_view(i), _local_metadata(shard))
                 for group, i, shard in self._tiered_shards(name)
@@ -367,6 +369,16 @@ class _TieredShardedMixin(_ShardedBase):
                 whole, self._tier_storage.checkpoint_chunk_rows, pg
             )
         self._chunk_optimizer_state(pg)
+
+    def _expose_rows(self, name: str) -> None:
+        """Gives a tiered table with one shard on this rank the ``weight`` attribute TorchRec's
+        FUSED table has (``embedding_bags.<table>.weight``, its local rows), indexed by row:
+        see :class:`TierRowsParameter`. Not registered, so no optimizer or state dict sees it."""
+        shards = list(self._tiered_shards(name))
+        if len(shards) == 1:
+            group, index, _ = shards[0]
+            tables = getattr(self, self._tables_attr)
+            tables[name].__dict__["weight"] = TierRowsParameter(group, index)
 
     def _chunk_optimizer_state(self, pg: dist.ProcessGroup | None) -> None:
         """Splits the tier-backed optimizer states into row chunks too (same reason). The

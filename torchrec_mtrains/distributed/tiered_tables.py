@@ -812,6 +812,111 @@ class TieredTableGroup:
                 tensor.index_copy_(0, dev_slots, rows[:, cols].to(device, tensor.dtype))
         return overridden
 
+    # ------------------------------------------------------------ rows read and set by id
+
+    def _rows_by_id(self, index: int, local_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``local_ids`` of shard ``index`` checked (in range, no repeats) and, per id, its cache
+        slot or -1, once every queued move has finished (so neither a tier nor a slot changes
+        until the next batch is planned). What was written through the views is taken in
+        first."""
+        shard = self.shards[index]
+        if shard.virtual is not None:
+            raise NotImplementedError(
+                f"table {shard.name!r}: rows of a virtual table are set by id only through its "
+                "state dict"
+            )
+        ids = local_ids.to(HOST, torch.int64).flatten()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.local_rows):
+            bad = int(ids[(ids < 0) | (ids >= shard.local_rows)][0])
+            raise TableIdError(
+                f"table {shard.name!r}: row id {bad} out of range [0, {shard.local_rows})"
+            )
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"table {shard.name!r}: row ids to set repeat an id")
+        self.absorb_view_writes()
+        self.drain()
+        for batch in self._pending:
+            self.io.copies.wait(batch.rows_ready)
+        with self._cache_lock:
+            return ids, shard.cache.lookup(ids).to(HOST)
+
+    def _targets(self, shard: TieredTableShard) -> list[tuple[slice, torch.Tensor]]:
+        """Each part of a row (weights, then each optimizer state): its values' columns and the
+        fbgemm tensor holding it for the cached rows."""
+        out = [(slice(0, shard.cols), shard.weight_slots)]
+        start = shard.cols
+        for view in shard.state_slots:
+            out.append((slice(start, start + int(view.shape[1])), view))
+            start += int(view.shape[1])
+        return out
+
+    @torch.no_grad()
+    def read_weights(self, index: int, local_ids: torch.Tensor) -> torch.Tensor:
+        """The weights of rows ``local_ids`` of shard ``index`` as training left them (a cached
+        row's from its slot, others' from the tier), ``(n, cols)`` at the table's dtype on the
+        compute device."""
+        shard = self.shards[index]
+        ids, slots = self._rows_by_id(index, local_ids)
+        out = torch.empty(
+            ids.numel(), shard.cols, dtype=shard.weight_slots.dtype, device=self.device
+        )
+        cached = slots >= 0
+        if bool(cached.any()):
+            where = torch.nonzero(cached).flatten().to(self.device)
+            out[where] = shard.weight_slots[slots[cached].to(self.device)]
+        if not bool(cached.all()):
+            rows = torch.from_numpy(shard.store.read_rows(ids[~cached].numpy()))
+            where = torch.nonzero(~cached).flatten().to(self.device)
+            out[where] = rows[:, : shard.cols].to(self.device, out.dtype)
+        return out
+
+    @torch.no_grad()
+    def set_rows(
+        self,
+        index: int,
+        local_ids: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        zero_states: bool = False,
+    ) -> None:
+        """Sets rows ``local_ids`` of shard ``index`` where they live: their weights to
+        ``weights`` (``(n, cols)``, or one row for all) when given, their optimizer states to
+        zero when ``zero_states``. A cached row is set in its slot (and written back later), any
+        other on its tier, as TorchRec's FUSED kernel would set its rows in place (fbgemm's
+        ``reset_embedding_weight_momentum``, writes through its registered weight). The rows
+        count as changed for incremental checkpoints."""
+        shard = self.shards[index]
+        ids, slots = self._rows_by_id(index, local_ids)
+        if not ids.numel() or (weights is None and not zero_states):
+            return
+        parts = self._targets(shard)
+        if weights is not None:
+            weights = weights.to(shard.weight_slots.dtype).expand(ids.numel(), shard.cols)
+        values: list[tuple[slice, torch.Tensor, torch.Tensor]] = []  # columns, fbgemm's, new
+        if weights is not None:
+            values.append((*parts[0], weights))
+        if zero_states:
+            values.extend((cols, slots_of, torch.zeros(())) for cols, slots_of in parts[1:])
+        cached = slots >= 0
+        if bool(cached.any()):
+            where = torch.nonzero(cached).flatten()
+            dev_slots = slots[cached].to(self.device)
+            for _, tensor, new in values:
+                part = new[where.to(new.device)] if new.dim() else new
+                tensor[dev_slots] = part.to(self.device, tensor.dtype)
+            with self._cache_lock:
+                shard.cache.mark_dirty(slots[cached].to(shard.cache.device))
+        if not bool(cached.all()):
+            where = torch.nonzero(~cached).flatten()
+            on_tier = ids[where].numpy()
+            rows = torch.from_numpy(shard.store.read_rows(on_tier))
+            for cols, tensor, new in values:
+                part = new[where.to(new.device)] if new.dim() else new
+                # Through the slots' dtype, so a tier row holds what a slot would.
+                rows[:, cols] = part.to(tensor.dtype).to(HOST, torch.float32)
+            shard.store.write_rows(on_tier, rows.numpy())
+        if self._changed is not None:
+            self._changed[index][ids] = True
+
     def purge(self) -> None:
         """Writes dirty rows back, then empties the caches, so the next batch reads every row
         from the tier (used after a checkpoint load wrote the tier directly)."""
