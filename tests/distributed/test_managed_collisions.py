@@ -18,6 +18,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -47,6 +48,7 @@ from torchrec_mtrains.distributed import (
 from torchrec_mtrains.distributed.tier_rows_param import TierRowsParameter
 from torchrec_mtrains.distributed.tiered_tables import TableIdError
 from torchrec_mtrains.initializers import IdSeededUniform
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.types import Tier
 
 pytestmark = pytest.mark.usefixtures("one_rank_process_group", "one_thread")
@@ -92,16 +94,31 @@ class _Model(nn.Module):
         return self.mc(features)
 
 
+class _BatchModel(_Model):
+    """Called with a batch, as TorchRec's train pipelines call a model: (loss, output)."""
+
+    def forward(self, batch: Batch) -> Any:
+        pooled, _ = self.mc(batch.sparse_features)
+        loss = _loss(pooled.values())
+        return loss, loss.detach()
+
+
+def _loss(pooled: torch.Tensor) -> torch.Tensor:
+    return (pooled * torch.arange(1, pooled.numel() + 1).reshape(pooled.shape)).sum()
+
+
 def _build(
     root: Path | None,
     bagged: bool = True,
     tier: str = "block_scm",
     optimizer: OptimType = OptimType.EXACT_ROWWISE_ADAGRAD,
     zch_size: int = ZCH,
+    cache_load_factor: float = 0.5,
+    batches: bool = False,
 ) -> DistributedModelParallel:
     """The module sharded row-wise by TorchRec's managed-collision sharder over ours (the
     remapped table on ``tier``), or over TorchRec's own sharder (FUSED) when ``root`` is None."""
-    model = _Model(bagged, zch_size)
+    model = (_BatchModel if batches else _Model)(bagged, zch_size)
     fused = {"optimizer": optimizer, "learning_rate": 0.1}
     mc_sharder: Any
     if root is None:
@@ -125,7 +142,8 @@ def _build(
         plan["t_mc"] = TieredParameterSharding.wrap(
             plan["t_mc"],
             TieredTableOptions(
-                tier=Tier.parse("block_scm" if tier == "flat" else tier), cache_load_factor=0.5
+                tier=Tier.parse("block_scm" if tier == "flat" else tier),
+                cache_load_factor=cache_load_factor,
             ),
         )
     dmp = DistributedModelParallel(
@@ -197,7 +215,7 @@ def _train(model: DistributedModelParallel, steps: int, seed: int = 1) -> list[t
     for _ in range(steps):
         out, _ = model(_batch(g))
         pooled = _pooled(out)
-        loss = (pooled * torch.arange(1, pooled.numel() + 1).reshape(pooled.shape)).sum()
+        loss = _loss(pooled)
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         outs.append(pooled.detach().clone())
     return outs
@@ -282,3 +300,68 @@ def test_a_reset_of_rows_some_cached_some_on_the_tier_counts_them_as_changed(
         weight[[4, 30]] = torch.zeros(2, DIM)
     changed = group.changed_rows(0)
     assert changed is not None and torch.nonzero(changed).flatten().tolist() == [4, 30]
+
+
+def _two_ranks(rank: int, port: int, root: str) -> None:
+    """Spawned: both sides row-wise over two ranks, each rank feeding its own batches."""
+    from datetime import timedelta
+
+    from torchrec_mtrains.distributed.runtime import process_group
+
+    torch.set_num_threads(1)
+    with process_group(
+        backend="gloo", rank=rank, world_size=2, port=port, timeout=timedelta(seconds=60)
+    ):
+        # Each rank's cache holds 30 of its 40 slots: a batch from both ranks can bring 32 ids.
+        reference = _build(None, zch_size=2 * ZCH)
+        ours = _build(
+            Path(root) / f"rank{rank}", tier="byte_scm", zch_size=2 * ZCH, cache_load_factor=0.75
+        )
+        # TorchRec's sharder hands init_fn a rank's rows without their offsets, ours fills them
+        # by their place in the table: the same start for the slots no id reaches.
+        ours.load_state_dict(reference.state_dict())
+        for step, (a, b) in enumerate(
+            zip(_train(reference, 30, seed=rank + 1), _train(ours, 30, seed=rank + 1))
+        ):
+            assert torch.equal(a, b), f"rank {rank}, step {step}"
+        key = "mc._embedding_module.embedding_bags.t_mc.weight"
+        mine, theirs = ours.state_dict()[key], reference.state_dict()[key]
+        assert torch.equal(_table(mine), _table(theirs))
+        assert _table(mine).shape[0] == ZCH  # this rank's half of the slots
+
+
+def test_row_wise_over_two_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from torchrec_mtrains.distributed.runtime import free_port
+
+    mp.spawn(_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, join=True)  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
+
+
+def test_the_look_ahead_pipeline_trains_them_as_the_plain_loop(tmp_path: Path) -> None:
+    """It reads no row ahead for them (the module remaps ids in its forward), and changes
+    nothing."""
+    plain = _build(tmp_path / "plain", batches=True)
+    piped = _build(tmp_path / "piped", batches=True)
+    g = torch.Generator().manual_seed(5)
+    batches = [
+        Batch(dense_features=torch.zeros(8, 1), sparse_features=_batch(g), labels=torch.zeros(8))
+        for _ in range(25)
+    ]
+    expected = []
+    for batch in batches:
+        loss, _ = plain(batch)
+        loss.backward()
+        expected.append(loss.detach())
+    unused = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    got = []
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        piped, unused, torch.device("cpu"), lookahead=2
+    )
+    with pipeline:
+        batch_iter = iter(batches)
+        for _ in batches:
+            got.append(pipeline.progress(batch_iter))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    key = "mc._embedding_module.embedding_bags.t_mc.weight"
+    assert torch.equal(_table(plain.state_dict()[key]), _table(piped.state_dict()[key]))

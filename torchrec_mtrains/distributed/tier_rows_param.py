@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._C import DisableTorchFunctionSubclass
 
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
@@ -52,7 +51,7 @@ class TierRowsParameter(nn.Parameter):
         dtype, device = shard.weight_slots.dtype, shard.weight_slots.device
         # One element standing for (rows, cols): shape, dtype and device are the table's.
         base = torch.empty(1, dtype=dtype, device=device).expand(shard.local_rows, shard.cols)
-        param = torch.Tensor._make_subclass(cls, base, False)
+        param = super().__new__(cls, base, requires_grad=False)
         param._group, param._index, param._table = group, index, shard.name
         return param
 
@@ -112,9 +111,8 @@ class TierRowsParameter(nn.Parameter):
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA:
-            with DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+        if func in _METADATA:  # answered by the plain tensor standing for the rows
+            return torch.Tensor.__torch_function__(func, (torch.Tensor,), args, kwargs)  # type: ignore[no-untyped-call]  # unannotated in torch
         param = next(a for a in args if isinstance(a, TierRowsParameter))
         if func is torch.Tensor.__getitem__ and args[0] is param:
             ids, one = param._row_ids(args[1])
