@@ -335,14 +335,20 @@ def test_w3_smoke(tmp_path: Path) -> None:
     )
     assert "check: ours = FUSED over 4,096 rows per table for 10 steps: losses equal" in done.stdout
     result = json.loads(out.read_text())
-    for variant in ("A'", "ours"):
+    for variant in ("A'", "A''", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
         # 12 timed steps in windows of 5, taken in turns
         assert len(result[variant]["window_samples_per_s"]) == 3
-    assert len(result["ours"]["window_ratios"]) == 3 and "per window of 5 steps" in done.stdout
-    # A''s hashed tables' bytes; ours' caches (half of 1,500 rows a table) and maps
+    for variant in ("A''", "ours"):
+        assert len(result[variant]["window_ratios"]) == 3
+        assert f"{variant} / A' per window of 5 steps" in done.stdout
+    # A''s hashed tables' bytes; the caches of A'' and ours (half of 1,500 rows a table), their
+    # maps, and the remapping tensors of A'' (its sorted raw ids and counts, 16 bytes a slot)
     assert result["A'"]["dram_bytes"] == 2 * 512 * (16 * 4 + 4)
     assert result["ours"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4)
+    assert result["A''"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4) + 2 * 1500 * 16
+    rate = result["A''"]["samples_per_s"]
+    assert f"A''      {rate:10,.0f}" in done.stdout
     assert "host memory of the embeddings" in done.stdout
     # started again with huge pages for tensors, as W1's variants run
     assert result["thp"] and "huge pages for tensors (THP_MEM_ALLOC_ENABLE=1): on" in done.stdout

@@ -19,6 +19,8 @@ Run it::
 
     python -m tests.parity.sweep --sweep 1000 --seed 0          # 1,000 drawn cases
     python -m tests.parity.sweep --case '<one line of JSON>'      # one case again
+    python -m tests.parity.sweep --virtual --sweep 1000           # the virtual-table axis
+    python -m tests.parity.sweep --mc --sweep 300                 # the managed-collision axis
 
 A failure prints its case as one line that reruns it. Cases that need two ranks (world size 2,
 or a load at world size 2) run in spawned gloo ranks on loopback; a model at world size 1 in
@@ -747,9 +749,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="draw virtual-table cases (tests.parity.virtual_sweep)",
     )
+    parser.add_argument(
+        "--mc",
+        action="store_true",
+        help="draw managed-collision cases (tests.parity.mc_sweep)",
+    )
     args = parser.parse_args(argv)
     if args.virtual:
         return _main_virtual(args.sweep, args.seed, args.dir)
+    if args.mc:
+        return _main_mc(args.sweep, args.seed, args.dir)
     if args.case:
         cases = [SweepCase.from_line(line) for line in args.case]
     else:
@@ -763,6 +772,13 @@ def _main_virtual(count: int, seed: int, directory: str | None) -> int:
 
     cases = draw_virtual_cases(count, seed)
     return _run_and_report(lambda root: virtual_report(run_virtual(cases, root)), directory)
+
+
+def _main_mc(count: int, seed: int, directory: str | None) -> int:
+    from tests.parity.mc_sweep import draw_mc_cases, mc_report, run_mc
+
+    cases = draw_mc_cases(count, seed)
+    return _run_and_report(lambda root: mc_report(run_mc(cases, root)), directory)
 
 
 def _run_and_report(

@@ -149,3 +149,14 @@ def test_a_fixed_seed_slice_of_the_virtual_table_axis_is_exact(tmp_path: Path) -
     summary, failures = virtual_report(outcomes)
     assert not failures, "\n".join([summary, *failures])
     assert sum(status == "refused" for _, status, _ in outcomes) <= 4, summary
+
+
+def test_a_fixed_seed_slice_of_the_managed_collision_axis_is_exact(tmp_path: Path) -> None:
+    """20 drawn managed-collision configurations (some at world size 2), bit for bit."""
+    from tests.parity.mc_sweep import draw_mc_cases, mc_report, run_mc
+
+    cases = draw_mc_cases(20, SEED)
+    assert {c.world_size for c in cases} == {1, 2}
+    assert {c.store for c in cases} == {"dram", "byte_scm", "block_scm", "flat"}
+    summary, failures = mc_report(run_mc(cases, tmp_path))
+    assert not failures, "\n".join([summary, *failures])
