@@ -14,13 +14,24 @@ Variants, in this process, from the same dense initial weights:
 * ``ours``: each feature a virtual table (``use_virtual_table=True``, ``num_embeddings`` 2**40)
   on ``--tier`` with ``max_live_rows = --live-rows``, its rows made on first use and evicted by
   TorchRec's ``CountBasedEvictionPolicy`` (a round once the table holds more than 90% of the
-  bound, or when a batch does not fit), trained by the look-ahead pipeline (the next
+  bound, or when a batch does not fit; ``--eviction-threshold`` 1 and ``--decay-rate`` 0.9 by
+  default: a round evicts the ids used about once since the last rounds, and keeps more of
+  the bound in use than threshold 2, decay 0.5, which gave a worse eval NE, 0.8442 against
+  0.8354 in a 1,200-step run), trained by the look-ahead pipeline (the next
   ``--lookahead`` batches' rows made and read while one trains; 0: the plain loop).
+* ``A''``: the open-source route to raw ids until now: TorchRec's managed-collision modules
+  (``ManagedCollisionEmbeddingBagCollection``, an ``MCHManagedCollisionModule`` per feature with
+  its ``DistanceLFU_EvictionPolicy``) remap each feature's raw ids into a table of
+  ``--live-rows`` slots, sharded by TorchRec's managed-collision sharder over ours, the table on
+  ``--tier`` behind the same cache as ours; the plain loop (the remap happens in the forward, so
+  no look-ahead can know a batch's rows before it runs). Its modules evict every
+  ``--mc-eviction-interval`` batches (10 by default: at 1, their sort of the whole table every
+  batch takes most of its time, 0.03x A' against 0.14x at 10, with about the same eval NE).
 
 Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches, the timed
-ones in windows of ``--window-steps`` taken in turn (A' then ours, then ours then A', ...), so
-both meet the same moments of a shared machine; samples/s over all of a variant's windows, and
-ours / A' per window. Then each is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
+ones in windows of ``--window-steps`` taken in turn (A', A'', ours, then ours, A'', A', ...),
+so all meet the same moments of a shared machine; samples/s over all of a variant's windows,
+and ours / A' per window. Then each is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
 A' needs its warm-up: it runs faster in its first steps (2M samples/s in its first 500 here,
 1.2M from step 1,000 on, at 4M ids).
 Reported beside them: ours' live rows over the run, rows made and evicted, the bytes of a
@@ -70,11 +81,22 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
@@ -95,7 +117,7 @@ from torchrec_mtrains.types import stored_row_bytes
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch backs large tensors with transparent huge pages when this is ``1``, as W1 runs."""
 FEATURES = ("user", "item")
-VARIANTS = ("A'", "ours")
+VARIANTS = ("A'", "A''", "ours")
 ID_SPACE = 2**40
 LEARNING_RATE = 0.05
 
@@ -152,14 +174,17 @@ class Model(nn.Module):
     """Embeddings -> 16 -> 1; called with a torchrec ``Batch`` as TorchRec's train pipelines
     call a model: returns the loss, and (loss, logits) as the output a pipeline hands back."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, dim: int) -> None:
+    def __init__(self, ebc: nn.Module, dim: int) -> None:
         super().__init__()
         self.ebc = ebc
         torch.manual_seed(0)
         self.dense = nn.Sequential(nn.Linear(2 * dim, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        logits = self.dense(self.ebc(batch.sparse_features).values()).squeeze(1)
+        pooled = self.ebc(batch.sparse_features)
+        if isinstance(pooled, tuple):  # a managed-collision module's: (pooled, remapped ids)
+            pooled = pooled[0]
+        logits = self.dense(pooled.values()).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach())
 
@@ -180,8 +205,10 @@ def _init(name: str, dim: int) -> IdSeededUniform:
 def build(
     args: argparse.Namespace, variant: str, root: Path, rows: int = 0
 ) -> DistributedModelParallel:
-    """``A'`` (hashed FUSED), ``ours`` (virtual on a tier) or ``fused`` (``rows`` rows filled by
-    ours' initializer: the check's reference)."""
+    """``A'`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours`` (virtual on a
+    tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
+    if variant == "A''":
+        return build_managed_collisions(args, root)
     virtual = variant == "ours"
     table_rows = {"A'": args.hash_rows, "fused": rows, "ours": ID_SPACE}[variant]
     configs = [
@@ -194,8 +221,8 @@ def build(
             use_virtual_table=virtual,
             virtual_table_eviction_policy=CountBasedEvictionPolicy(
                 training_id_eviction_trigger_count=int(0.9 * args.live_rows),
-                eviction_threshold=2,
-                decay_rate=0.5,
+                eviction_threshold=args.eviction_threshold,
+                decay_rate=args.decay_rate,
             )
             if virtual
             else None,
@@ -228,6 +255,55 @@ def build(
         device=torch.device("cpu"),
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],
+    )
+
+
+def build_managed_collisions(args: argparse.Namespace, root: Path) -> DistributedModelParallel:
+    """``A''``: each feature's raw ids remapped by TorchRec's managed-collision module into a
+    table of ``--live-rows`` slots, sharded by TorchRec's managed-collision sharder over ours,
+    the table on ``--tier`` behind a cache of ``--cache-load-factor`` of it, as ours."""
+    configs = [
+        EmbeddingBagConfig(
+            name=f,
+            num_embeddings=args.live_rows,
+            embedding_dim=args.dim,
+            feature_names=[f],
+            init_fn=_init(f, args.dim),
+        )
+        for f in FEATURES
+    ]
+    cpu = torch.device("cpu")
+    remappers = {
+        f: MCHManagedCollisionModule(
+            zch_size=args.live_rows,
+            device=cpu,
+            eviction_policy=DistanceLFU_EvictionPolicy(),
+            eviction_interval=args.mc_eviction_interval,
+            input_hash_size=ID_SPACE,
+        )
+        for f in FEATURES
+    }
+    mc = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(configs, device=cpu),
+        ManagedCollisionCollection(remappers, embedding_configs=configs),
+        return_remapped_features=False,
+    )
+    fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LEARNING_RATE}
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder(
+        ebc_sharder=TieredEmbeddingBagCollectionSharder(
+            TierStorage(root=str(root)), fused_params=fused
+        )
+    )
+    # The managed-collision sharder shards row-wise only (one rank here: one shard a table).
+    plan = construct_module_sharding_plan(
+        mc, {f: row_wise(compute_kernel=TIERED_KERNEL) for f in FEATURES}, sharder=sharder
+    )
+    for f in FEATURES:
+        plan[f] = TieredParameterSharding.wrap(
+            plan[f], TieredTableOptions(tier=args.tier, cache_load_factor=args.cache_load_factor)
+        )
+    return DistributedModelParallel(
+        Model(mc, args.dim), device=cpu, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
     )
 
 
@@ -267,10 +343,12 @@ def evaluate(
     model: DistributedModelParallel, batches: list[Any], modulo: int
 ) -> tuple[float, float]:
     logits, labels = [], []
+    model.eval()  # (a managed-collision module then places no new id)
     with torch.no_grad():
         for raw in batches:
             logits.append(model(as_batch(raw, modulo))[1][1])
             labels.append(raw[1])
+    model.train()
     return ne_and_auc(torch.cat(logits), torch.cat(labels))
 
 
@@ -290,20 +368,35 @@ def check(args: argparse.Namespace, root: Path) -> int:
     return args.check_steps
 
 
-def dram_bytes(args: argparse.Namespace, ours: DistributedModelParallel) -> dict[str, int]:
+def dram_bytes(
+    args: argparse.Namespace, mc: DistributedModelParallel, ours: DistributedModelParallel
+) -> dict[str, int]:
     """Host memory each variant's embeddings take besides the tier: the hashed tables of A' (rows
-    and row-wise state), against ours' caches (rows and per-slot state), the caches' id -> slot
-    maps over the stores' rows, and the virtual tables' id -> row maps with their eviction
-    statistics (as the planner counts them). Ours' stores, on a tier, are not counted, nor a
-    log-structured tier's index (W3's default tier, byte SCM, keeps none)."""
+    and row-wise state), against the caches of A'' and ours (rows and per-slot state), the
+    caches' id -> slot maps over the stores' rows, ours' virtual tables' id -> row maps with
+    their eviction statistics (as the planner counts them), and the tensors of the
+    managed-collision modules of A'' (sorted raw ids, counts, the ids of the batches since the
+    last eviction round). The stores, on a tier, are not counted, nor a log-structured tier's
+    index (W3's default tier, byte SCM, keeps none)."""
+
+    def tiered(model: DistributedModelParallel) -> int:
+        total = 0
+        for group in tiered_groups(model):
+            for shard in group.shards:
+                layout = shard.store.layout
+                total += cache_bytes(shard.cache.num_slots, layout.row_bytes)
+                total += slot_map_bytes(layout.num_rows, virtual=shard.virtual is not None)
+        return total
+
+    remappers = {
+        id(t): t
+        for module in mc.module.ebc._managed_collision_collection.modules()
+        for t in [*module.buffers(recurse=False), *vars(module).values()]
+        if isinstance(t, torch.Tensor)  # (the history of ids is a plain attribute)
+    }
+    remapping = sum(t.numel() * t.element_size() for t in remappers.values())
     a = len(FEATURES) * args.hash_rows * stored_row_bytes(args.dim, 1, 4)
-    o = 0
-    for group in tiered_groups(ours):
-        for shard in group.shards:
-            layout = shard.store.layout
-            o += cache_bytes(shard.cache.num_slots, layout.row_bytes)
-            o += slot_map_bytes(layout.num_rows, virtual=shard.virtual is not None)
-    return {"A'": a, "ours": o}
+    return {"A'": a, "A''": tiered(mc) + remapping, "ours": tiered(ours)}
 
 
 def distinct_ids(*batch_lists: list[Any]) -> dict[str, int]:
@@ -334,7 +427,7 @@ def run_side_by_side(
     warmup = [stream.batch() for _ in range(args.warmup)]
     models = {v: build(args, v, root / v) for v in VARIANTS}
     opts = {v: dense_optimizer(m) for v, m in models.items()}
-    modulo = {"A'": args.hash_rows, "ours": 0}
+    modulo = {"A'": args.hash_rows, "A''": 0, "ours": 0}
     for v in VARIANTS:  # the plain loop, untimed
         for raw in warmup:
             step(models[v], opts[v], raw, modulo[v])
@@ -356,7 +449,7 @@ def run_side_by_side(
     def train(variant: str, first: int, end: int) -> None:
         started = time.perf_counter()
         for i in range(first, end):
-            if variant == "A'" or pipeline is None:
+            if variant != "ours" or pipeline is None:
                 loss = step(models[variant], opts[variant], batches[i], modulo[variant])
             else:
                 loss, _ = pipeline.progress(ours_batches)
@@ -392,8 +485,8 @@ def run_side_by_side(
             "eval_auc": auc,
             "train_loss_last_10pct": float(torch.stack(tail).mean()),
         }
-    ratios = [o / a for o, a in zip(windows["ours"], windows["A'"])]
-    out["ours"]["window_ratios"] = ratios
+    for v in ("A''", "ours"):
+        out[v]["window_ratios"] = [o / a for o, a in zip(windows[v], windows["A'"])]
     stats = tier_stats(models["ours"])
     out["ours"]["live_rows_over_steps"] = live
     out["ours"]["tables"] = {
@@ -403,7 +496,7 @@ def run_side_by_side(
         }
         for name, s in stats.items()
     }
-    dram = dram_bytes(args, models["ours"])
+    dram = dram_bytes(args, models["A''"], models["ours"])
     for v in VARIANTS:
         out[v]["dram_bytes"] = dram[v]
     out["distinct_ids"] = distinct
@@ -542,11 +635,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--live-rows", type=int, default=2**19, help="ours: max_live_rows per table"
     )
+    parser.add_argument(
+        "--eviction-threshold",
+        type=int,
+        default=1,
+        help="ours: CountBasedEvictionPolicy's eviction_threshold (a round evicts ids whose "
+        "decayed count falls below it)",
+    )
+    parser.add_argument(
+        "--decay-rate", type=float, default=0.9, help="ours: CountBasedEvictionPolicy's decay_rate"
+    )
     parser.add_argument("--tier", default="byte_scm")
     parser.add_argument(
         "--lookahead", type=int, default=2, help="ours: batches read ahead (0: the plain loop)"
     )
     parser.add_argument("--cache-load-factor", type=float, default=0.05)
+    parser.add_argument(
+        "--mc-eviction-interval",
+        type=int,
+        default=10,
+        help="A'': batches between the managed-collision modules' eviction rounds",
+    )
     parser.add_argument("--eval-batches", type=int, default=10)
     parser.add_argument(
         "--increment-steps", type=int, default=20, help="steps between the chain's two links"
@@ -578,24 +687,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    a, ours = result["A'"], result["ours"]
+    a, mc, ours = result["A'"], result["A''"], result["ours"]
     print(f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}")
     print(
         "distinct raw ids over the run's batches (warm-up and timed): "
         + ", ".join(f"{f} {n:,}" for f, n in result["distinct_ids"].items())
     )
-    ratios = sorted(ours["window_ratios"])
-    print(
-        f"ours / A' per window of {args.window_steps} steps ({len(ratios)} each, in turns): "
-        f"median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}"
-    )
+    for name in ("A''", "ours"):
+        ratios = sorted(result[name]["window_ratios"])
+        print(
+            f"{name} / A' per window of {args.window_steps} steps ({len(ratios)} each, in "
+            f"turns): median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, "
+            f"max {ratios[-1]:.2f}"
+        )
     print(
         f"host memory of the embeddings (the tier aside): A' {a['dram_bytes'] / 2**20:,.1f} MiB, "
-        f"ours {ours['dram_bytes'] / 2**20:,.1f} MiB (caches of {args.cache_load_factor:g} x "
-        f"max_live_rows, their slot state and maps, the id maps)"
+        f"A'' {mc['dram_bytes'] / 2**20:,.1f} MiB, ours {ours['dram_bytes'] / 2**20:,.1f} MiB "
+        f"(caches of {args.cache_load_factor:g} x the tables' rows, their slot state and maps; "
+        "ours' id maps; the remapping tensors of A'')"
     )
     print(f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9}")
-    for name in ("A'", "ours"):
+    for name in VARIANTS:
         r = result[name]
         print(
             f"{name:8} {r['samples_per_s']:10,.0f} {r['samples_per_s'] / a['samples_per_s']:6.2f} "
