@@ -604,7 +604,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, live, lw=0.8, label="ours: live rows (both tables)")
     ax.axhline(
-        2 * result["args"]["live_rows"], color="r", ls="--", label="bound (max_live_rows x 2)"
+        2 * result["args"]["live_rows"],
+        color="r",
+        ls="--",
+        label="bound (max_live_rows x 2); A'': slots of its tables",
     )
     ax.axhline(
         2 * result["args"]["hash_rows"], color="g", ls=":", label="A': rows of the hashed tables"
@@ -613,7 +616,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("rows")
     ax.set_title("W3: live rows of the virtual tables over the run")
     ax.set_ylim(0, 2.25 * result["args"]["live_rows"])
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
