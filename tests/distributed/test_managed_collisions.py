@@ -26,6 +26,7 @@ from tests.distributed.mc_harness import (
     build,
     kjt,
     local_rows,
+    momentum,
     run_case,
     spawn_cases,
     train,
@@ -158,3 +159,33 @@ def test_the_look_ahead_pipeline_trains_them_as_the_plain_loop(tmp_path: Path) -
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     key = weight_key(case)
     assert torch.equal(local_rows(plain.state_dict()[key]), local_rows(piped.state_dict()[key]))
+
+
+def test_a_checkpoint_chain_holds_the_rows_the_module_reset(tmp_path: Path) -> None:
+    """A full link, steps in which the module hands slots to new ids (rows reset on the tier
+    and in the cache), an incremental link: the chain restores the same rows, momentum and
+    remapping, and training goes on bit for bit."""
+    from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
+
+    case = MCCase(store="block_scm", steps=12)
+    ours = build(case, tmp_path / "ours")
+    options = CheckpointOptions(full_every=3, keep=None)
+    manager = CheckpointManager(tmp_path / "chain", ours, ours.fused_optimizer, options)
+    train(ours, case)
+    manager.save(12)
+    train(ours, MCCase(store="block_scm", steps=12, seed=2))
+    link = manager.save(24)
+    assert link.parent is not None  # incremental: the rows changed since the full link
+    restored = build(case, tmp_path / "restored")
+    CheckpointManager(tmp_path / "chain", restored, restored.fused_optimizer, options).restore()
+    mine, theirs = ours.state_dict(), restored.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key, value in mine.items():
+        if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
+            assert torch.equal(value, theirs[key]), key
+    assert torch.equal(local_rows(mine[weight_key(case)]), local_rows(theirs[weight_key(case)]))
+    assert torch.equal(momentum(ours), momentum(restored))
+    later = MCCase(store="block_scm", steps=10, seed=3)
+    assert all(
+        torch.equal(a, b) for a, b in zip(train(ours, later), train(restored, later), strict=True)
+    )
