@@ -30,6 +30,7 @@ from tests.distributed.mc_harness import (
     run_case,
     spawn_cases,
 )
+from tests.parity.two_ranks import run_in_two_rank_jobs
 
 
 def draw_mc_case(rng: random.Random, seed: int) -> MCCase:
@@ -84,24 +85,18 @@ def run_mc(cases: Sequence[MCCase], root: Path) -> list[tuple[MCCase, str, str]]
         error = result["error"]
         detail = _last_line(error) if error else f"first mismatch {result['mismatched_step']}"
         out[i] = (case, _status(result), detail)
+
+    def judge(results: list[dict[str, Any]]) -> tuple[str, str]:
+        statuses = [_status(r) for r in results]
+        worst = next((s for s in ("error", "mismatch") if s in statuses), "ok")
+        detail = " | ".join(
+            f"rank {k}: " + (_last_line(r["error"]) if r["error"] else f"{r['mismatched_step']}")
+            for k, r in enumerate(results)
+        )
+        return worst, detail
+
     twos = [(i, c) for i, c in enumerate(cases) if c.world_size == 2]
-    while twos:
-        per_rank = spawn_cases([c for _, c in twos], root)
-        ran = min(len(r) for r in per_rank)
-        if ran == 0:
-            i, case = twos[0]
-            out[i] = (case, "error", "the ranks reported nothing")
-        for j in range(ran):
-            i, case = twos[j]
-            statuses = [_status(r[j]) for r in per_rank]
-            worst = next((s for s in ("error", "mismatch") if s in statuses), "ok")
-            detail = " | ".join(
-                f"rank {k}: "
-                + (_last_line(r[j]["error"]) if r[j]["error"] else f"{r[j]['mismatched_step']}")
-                for k, r in enumerate(per_rank)
-            )
-            out[i] = (case, worst, detail)
-        twos = twos[max(ran, 1) :]  # a job stops at a case that failed on a rank
+    out.update(run_in_two_rank_jobs(twos, lambda left: spawn_cases(left, root), judge))
     return [out[i] for i in range(len(cases))]
 
 

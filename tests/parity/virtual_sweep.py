@@ -33,6 +33,7 @@ from tests.distributed.virtual_harness import (
     run_case,
     spawn_cases,
 )
+from tests.parity.two_ranks import run_in_two_rank_jobs
 from torchrec_mtrains.distributed.virtual_tables import bucket_rows
 
 STORES = ("dram", "byte_scm", "block_scm", "log_block_scm")
@@ -113,27 +114,20 @@ def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualC
         error = result.get("error")
         detail = _first_line(error) if error else f"first mismatch {result['mismatched_step']}"
         out[i] = (case, _status(result), detail)
+
+    def judge(results: list[dict[str, Any]]) -> tuple[str, str]:
+        statuses = [_status(r) for r in results]
+        # A table refusing a batch on one rank stops the other one mid-collective.
+        order = ("refused", "error", "mismatch") if "refused" in statuses else ("error", "mismatch")
+        worst = next((s for s in order if s in statuses), "ok")
+        detail = " | ".join(
+            f"rank {k}: " + _first_line(r["error"]) if r["error"] else f"rank {k}: ok"
+            for k, r in enumerate(results)
+        )
+        return worst, detail
+
     twos = [(i, c) for i, c in enumerate(cases) if c.world_size == 2]
-    while twos:
-        per_rank = spawn_cases([c for _, c in twos], 2, root)
-        ran = min(len(r) for r in per_rank)
-        if ran == 0:
-            i, case = twos[0]
-            out[i] = (case, "error", "the ranks reported nothing")
-        for j in range(ran):
-            i, case = twos[j]
-            statuses = [_status(r[j]) for r in per_rank]
-            # A table refusing a batch on one rank stops the other one mid-collective.
-            order = (
-                ("refused", "error", "mismatch") if "refused" in statuses else ("error", "mismatch")
-            )
-            worst = next((s for s in order if s in statuses), "ok")
-            detail = " | ".join(
-                f"rank {k}: " + _first_line(r[j]["error"]) if r[j]["error"] else f"rank {k}: ok"
-                for k, r in enumerate(per_rank)
-            )
-            out[i] = (case, worst, detail)
-        twos = twos[max(ran, 1) :]  # a job stops at a case that failed on a rank
+    out.update(run_in_two_rank_jobs(twos, lambda left: spawn_cases(left, 2, root), judge))
     return [out[i] for i in range(len(cases))]
 
 
