@@ -38,7 +38,7 @@ from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCol
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection,
@@ -92,6 +92,7 @@ class MCCase:
         steps: training steps.
         seed: the batches' seed.
         world_size: ranks (1 or 2).
+        dtype: the table's weights, ``fp32`` or ``fp16``.
     """
 
     kind: str = "ebc"
@@ -107,6 +108,7 @@ class MCCase:
     steps: int = 40
     seed: int = 1
     world_size: int = 1
+    dtype: str = "fp32"
 
 
 class MCModel(nn.Module):
@@ -120,6 +122,7 @@ class MCModel(nn.Module):
             num_embeddings=case.zch_size * case.world_size,
             feature_names=["f"],
             init_fn=IdSeededUniform(seed=3, dim=DIM, low=-0.1, high=0.1),
+            data_type=DataType.FP16 if case.dtype == "fp16" else DataType.FP32,
         )
         bagged = case.kind == "ebc"
         config = EmbeddingBagConfig(**kwargs) if bagged else EmbeddingConfig(**kwargs)

@@ -4,8 +4,9 @@ modules over this project's sharder against the same modules over TorchRec's own
 Each case (:class:`tests.distributed.mc_harness.MCCase`) draws EBC or EC, the store (every tier
 and layout), the optimizer, the slots per rank, the cache's size and policy, the module's
 eviction policy and interval, how many raw ids the batches draw from and how many a sample
-holds, the steps and the world size (1 or 2); every step's output, then the rows and the
-momentum, must be bit for bit the reference's (see the harness).
+holds, the steps, the world size (1 or 2) and the weights' dtype (fp32 or fp16); every step's
+output, then the rows and the momentum, must be bit for bit the reference's (see the
+harness).
 
 Run it::
 
@@ -54,6 +55,7 @@ def draw_mc_case(rng: random.Random, seed: int) -> MCCase:
         steps=rng.randint(10, 40),
         seed=seed,
         world_size=world,
+        dtype=rng.choice(("fp32", "fp32", "fp16")),
     )
 
 

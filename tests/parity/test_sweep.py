@@ -158,5 +158,6 @@ def test_a_fixed_seed_slice_of_the_managed_collision_axis_is_exact(tmp_path: Pat
     cases = draw_mc_cases(20, SEED)
     assert {c.world_size for c in cases} == {1, 2}
     assert {c.store for c in cases} == {"dram", "byte_scm", "block_scm", "flat"}
+    assert {c.dtype for c in cases} == {"fp32", "fp16"}
     summary, failures = mc_report(run_mc(cases, tmp_path))
     assert not failures, "\n".join([summary, *failures])
