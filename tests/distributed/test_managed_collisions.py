@@ -33,7 +33,7 @@ from tests.distributed.mc_harness import (
     weight_key,
 )
 from torchrec_mtrains.distributed.tier_rows_param import TierRowsParameter
-from torchrec_mtrains.distributed.tiered_tables import TableIdError
+from torchrec_mtrains.distributed.tiered_tables import TableIdError, TieredTableGroup
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 
 pytestmark = pytest.mark.usefixtures("one_rank_process_group", "one_thread")
@@ -53,7 +53,7 @@ def test_evictions_reset_rows_on_the_tiers_as_on_torchrecs_fused_kernel(
 
 def test_the_reference_hands_slots_to_new_ids_again_and_again(tmp_path: Path) -> None:
     """What the parity above rests on: the module resets rows often, more rows than the cache
-    of ours holds, and a wrong reset shows."""
+    of ours holds."""
     reference = build(CASE, None)
     calls: list[int] = []
     ((tbe, _),) = reference.module.mc._table_to_tbe_and_index.values()
@@ -66,6 +66,19 @@ def test_the_reference_hands_slots_to_new_ids_again_and_again(tmp_path: Path) ->
     tbe.reset_embedding_weight_momentum = counted
     train(reference, CASE)
     assert len(calls) > 5 and sum(calls) > ROWS
+
+
+def test_a_reset_that_keeps_the_momentum_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison can fail: with the rows' momentum left as it was, a step differs."""
+    set_rows = TieredTableGroup.set_rows
+
+    def keeps_momentum(self: TieredTableGroup, *args: Any, **kwargs: Any) -> None:
+        set_rows(self, *args, **{**kwargs, "zero_states": False})
+
+    monkeypatch.setattr(TieredTableGroup, "set_rows", keeps_momentum)
+    assert run_case(CASE, 0, tmp_path)["mismatched_step"] is not None
 
 
 def test_other_optimizers_reset_nothing_but_the_rows_written(tmp_path: Path) -> None:
