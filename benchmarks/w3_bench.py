@@ -44,7 +44,10 @@ whose state must equal ours'.
 Before the timed runs, a check that ours computes what TorchRec's kernel computes: ours and a
 FUSED model whose tables hold ``--check-rows`` rows filled by the virtual tables' initializer
 train ``--check-steps`` steps on ids below ``--check-rows``: their losses must be equal, bit for
-bit (the benchmark stops otherwise).
+bit (the benchmark stops otherwise). Likewise A'' against the same managed-collision modules
+over TorchRec's own sharder (FUSED; fbgemm has no CPU kernel for their row reset, so that side
+gets the CUDA kernel's effect from ``torchrec_mtrains.benchmark.references``), in tables of a
+quarter of ``--check-rows`` slots, so that their modules evict.
 
 Both variants run with ``THP_MEM_ALLOC_ENABLE=1``, as W1's do (run as a script, the benchmark
 starts itself again with it set; ``--no-thp`` runs without): PyTorch then backs large tensors
@@ -100,6 +103,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
+from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
@@ -258,14 +262,19 @@ def build(
     )
 
 
-def build_managed_collisions(args: argparse.Namespace, root: Path) -> DistributedModelParallel:
+def build_managed_collisions(
+    args: argparse.Namespace, root: Path | None, slots: int = 0
+) -> DistributedModelParallel:
     """``A''``: each feature's raw ids remapped by TorchRec's managed-collision module into a
-    table of ``--live-rows`` slots, sharded by TorchRec's managed-collision sharder over ours,
-    the table on ``--tier`` behind a cache of ``--cache-load-factor`` of it, as ours."""
+    table of ``slots`` (default ``--live-rows``) slots, sharded by TorchRec's managed-collision
+    sharder over ours, the table on ``--tier`` behind a cache of ``--cache-load-factor`` of it,
+    as ours. With ``root`` None, over TorchRec's own sharder (FUSED), the reset of new ids'
+    rows given the effect fbgemm's CUDA kernel has (the check's reference)."""
+    slots = slots or args.live_rows
     configs = [
         EmbeddingBagConfig(
             name=f,
-            num_embeddings=args.live_rows,
+            num_embeddings=slots,
             embedding_dim=args.dim,
             feature_names=[f],
             init_fn=_init(f, args.dim),
@@ -275,7 +284,7 @@ def build_managed_collisions(args: argparse.Namespace, root: Path) -> Distribute
     cpu = torch.device("cpu")
     remappers = {
         f: MCHManagedCollisionModule(
-            zch_size=args.live_rows,
+            zch_size=slots,
             device=cpu,
             eviction_policy=DistanceLFU_EvictionPolicy(),
             eviction_interval=args.mc_eviction_interval,
@@ -289,22 +298,30 @@ def build_managed_collisions(args: argparse.Namespace, root: Path) -> Distribute
         return_remapped_features=False,
     )
     fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LEARNING_RATE}
-    sharder = ManagedCollisionEmbeddingBagCollectionSharder(
-        ebc_sharder=TieredEmbeddingBagCollectionSharder(
-            TierStorage(root=str(root)), fused_params=fused
-        )
+    ebc_sharder: Any = (
+        EmbeddingBagCollectionSharder(fused_params=fused)
+        if root is None
+        else TieredEmbeddingBagCollectionSharder(TierStorage(root=str(root)), fused_params=fused)
     )
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc_sharder)
     # The managed-collision sharder shards row-wise only (one rank here: one shard a table).
+    kernel = "fused" if root is None else TIERED_KERNEL
     plan = construct_module_sharding_plan(
-        mc, {f: row_wise(compute_kernel=TIERED_KERNEL) for f in FEATURES}, sharder=sharder
+        mc, {f: row_wise(compute_kernel=kernel) for f in FEATURES}, sharder=sharder
     )
-    for f in FEATURES:
-        plan[f] = TieredParameterSharding.wrap(
-            plan[f], TieredTableOptions(tier=args.tier, cache_load_factor=args.cache_load_factor)
-        )
-    return DistributedModelParallel(
+    if root is not None:
+        for f in FEATURES:
+            plan[f] = TieredParameterSharding.wrap(
+                plan[f],
+                TieredTableOptions(tier=args.tier, cache_load_factor=args.cache_load_factor),
+            )
+    model = DistributedModelParallel(
         Model(mc, args.dim), device=cpu, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
     )
+    if root is None:
+        for tbe, _ in model.module.ebc._table_to_tbe_and_index.values():
+            reset_rows_on_cpu(tbe)
+    return model
 
 
 def step(
@@ -358,14 +375,43 @@ def evaluate(
 def check(args: argparse.Namespace, root: Path) -> int:
     """Ours against FUSED on ids below ``--check-rows``; returns the steps compared."""
     ours, ref = build(args, "ours", root / "check"), build(args, "fused", root, args.check_rows)
+    _same_losses(ours, ref, args, args.check_steps, "FUSED", "ours")
+    return args.check_steps
+
+
+def check_managed_collisions(args: argparse.Namespace, root: Path) -> tuple[int, int]:
+    """A'' against the same managed-collision modules over TorchRec's own sharder (FUSED), in
+    tables of a quarter of ``--check-rows`` slots fed ids below ``--check-rows`` (so the
+    modules evict), over three of their eviction rounds; returns the steps and slots. Batches
+    of at most 256 and a cache of half the slots: rows go to the tier and come back."""
+    slots = max(1, args.check_rows // 4)
+    small = argparse.Namespace(
+        **{**vars(args), "batch_size": min(args.batch_size, 256), "cache_load_factor": 0.5}
+    )
+    ours = build_managed_collisions(small, root / "check_mc", slots)
+    ref = build_managed_collisions(small, None, slots)
+    steps = max(args.check_steps, 3 * args.mc_eviction_interval)
+    _same_losses(ours, ref, small, steps, "TorchRec's managed collisions over FUSED", "A''")
+    return steps, slots
+
+
+def _same_losses(
+    ours: DistributedModelParallel,
+    ref: DistributedModelParallel,
+    args: argparse.Namespace,
+    steps: int,
+    ref_name: str,
+    name: str,
+) -> None:
     stream = Stream(args, seed=99, ids_below=args.check_rows)
     o_opt, r_opt = dense_optimizer(ours), dense_optimizer(ref)
-    for i in range(args.check_steps):
+    for i in range(steps):
         batch = stream.batch()
         a, b = step(ref, r_opt, batch, 0), step(ours, o_opt, batch, 0)
         if not torch.equal(a, b):
-            raise SystemExit(f"check failed at step {i}: FUSED loss {float(a)} != ours {float(b)}")
-    return args.check_steps
+            raise SystemExit(
+                f"check failed at step {i}: {ref_name} loss {float(a)} != {name} {float(b)}"
+            )
 
 
 def dram_bytes(
@@ -680,6 +726,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             checked = check(args, root)
             print(
                 f"check: ours = FUSED over {args.check_rows:,} rows per table for {checked} steps: losses equal"
+            )
+            steps, slots = check_managed_collisions(args, root)
+            print(
+                f"check: A'' = TorchRec's managed collisions over FUSED ({slots:,} slots per "
+                f"table, ids below {args.check_rows:,}) for {steps} steps: losses equal"
             )
             eval_stream = Stream(args, seed=2)
             eval_batches = [eval_stream.batch() for _ in range(args.eval_batches)]

@@ -334,6 +334,10 @@ def test_w3_smoke(tmp_path: Path) -> None:
         *("--out", str(out), "--dir", str(tmp_path)),
     )
     assert "check: ours = FUSED over 4,096 rows per table for 10 steps: losses equal" in done.stdout
+    assert (
+        "check: A'' = TorchRec's managed collisions over FUSED (1,024 slots per table, ids below "
+        "4,096) for 30 steps: losses equal" in done.stdout
+    )
     result = json.loads(out.read_text())
     for variant in ("A'", "A''", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])

@@ -9,8 +9,9 @@ sharded row-wise by TorchRec's managed-collision sharder:
 * the model under test: over this project's sharder, the table on the case's tier and cache;
 * the reference: over TorchRec's own sharder, on its FUSED kernel. fbgemm has no CPU kernel for
   the reset the module calls when it gives a slot to a new id
-  (``reset_embedding_weight_momentum``), so the reference's reset is :func:`cpu_reset`: the
-  effect of fbgemm's CUDA kernel on the CPU module's rows.
+  (``reset_embedding_weight_momentum``), so the reference's reset is
+  :func:`~torchrec_mtrains.benchmark.references.reset_rows_on_cpu`: the effect of fbgemm's CUDA
+  kernel on the CPU module's rows.
 
 The model under test starts from the reference's state dict. Both train ``steps`` steps on the
 same batches (each rank its own); every step's pooled output is compared bit for bit, then the
@@ -30,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
@@ -55,6 +55,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.distributed.parity_harness import OPTIMIZERS
+from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -219,32 +220,8 @@ def build(case: MCCase, root: Path | None, batches: bool = False) -> Distributed
     )
     if root is None:
         for tbe, _ in dmp.module.mc._table_to_tbe_and_index.values():
-            cpu_reset(tbe)
+            reset_rows_on_cpu(tbe)
     return dmp
-
-
-def cpu_reset(tbe: Any) -> None:
-    """fbgemm's ``reset_embedding_weight_momentum`` on a CPU module, as its CUDA kernel does it:
-    under ``EXACT_ROWWISE_ADAGRAD`` the rows' weights and momentum become zero; under other
-    optimizers nothing happens. (fbgemm has no CPU kernel for it: the reference's reset.)"""
-
-    def reset(
-        pruned_indices: torch.Tensor,
-        pruned_indices_offsets: torch.Tensor,
-        logical_table_ids: torch.Tensor,
-        buffer_ids: torch.Tensor,
-    ) -> None:
-        if tbe.optimizer != OptimType.EXACT_ROWWISE_ADAGRAD:
-            return
-        offsets = pruned_indices_offsets.tolist()
-        for t, b in zip(logical_table_ids.tolist(), buffer_ids.tolist()):
-            ids = pruned_indices[offsets[b] : offsets[b + 1]]
-            weights, D = tbe.weights_host, int(tbe.D_offsets[t + 1] - tbe.D_offsets[t])
-            rows = int(tbe.weights_offsets[t]) + ids.unsqueeze(1) * D + torch.arange(D)
-            weights[rows.flatten()] = 0
-            tbe.momentum1_host[int(tbe.momentum1_offsets[t]) + ids] = 0
-
-    tbe.reset_embedding_weight_momentum = reset
 
 
 def kjt(case: MCCase, g: torch.Generator) -> KeyedJaggedTensor:
