@@ -667,7 +667,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None, help="default: --out with .png")
@@ -718,7 +718,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help=f"run without {THP_ENV}=1 (4 KiB pages for tensors; the speed of A' then varies ~2x)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="w3-", dir=args.dir))
     try:
@@ -797,7 +801,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if "--no-thp" not in sys.argv and os.environ.get(THP_ENV) != "1":
+    # (A bad option stops here, before the restart.)
+    if not _parser().parse_args(sys.argv[1:]).no_thp and os.environ.get(THP_ENV) != "1":
         # PyTorch reads it once, at its first large allocation: only a new process takes it.
         os.execve(
             sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, THP_ENV: "1"}
