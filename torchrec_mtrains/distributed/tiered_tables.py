@@ -794,12 +794,7 @@ class TieredTableGroup:
         keeping the others (the cache's, which may be newer). Returns how many of those rows
         were dirty (trained since they were last written back), now overridden."""
         resident_ids, resident_slots = shard.cache.resident()
-        targets = [(slice(0, shard.cols), shard.weight_slots)]
-        start = shard.cols
-        for view in shard.state_slots:
-            targets.append((slice(start, start + int(view.shape[1])), view))
-            start += int(view.shape[1])
-        wanted = [(c, t) for c, t in targets if any(c == w for w in columns)]
+        wanted = [(c, t) for c, t in self._targets(shard) if any(c == w for w in columns)]
         if not wanted or not resident_ids.numel():
             return 0
         overridden = int(shard.cache.dirty[resident_slots].sum())
