@@ -206,19 +206,15 @@ def _init(name: str, dim: int) -> IdSeededUniform:
     return IdSeededUniform(seed=len(name) * 7919, dim=dim, low=-0.05, high=0.05)
 
 
-def build(
-    args: argparse.Namespace, variant: str, root: Path, rows: int = 0
-) -> DistributedModelParallel:
-    """``A'`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours`` (virtual on a
-    tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
-    if variant == "A''":
-        return build_managed_collisions(args, root)
-    virtual = variant == "ours"
-    table_rows = {"A'": args.hash_rows, "fused": rows, "ours": ID_SPACE}[variant]
-    configs = [
+def _table_configs(
+    args: argparse.Namespace, rows: int, virtual: bool = False
+) -> list[EmbeddingBagConfig]:
+    """One table of ``rows`` rows per feature; ``virtual``: ours' virtual table, evicted by
+    TorchRec's count-based policy once it holds 90% of ``--live-rows``."""
+    return [
         EmbeddingBagConfig(
             name=f,
-            num_embeddings=table_rows,
+            num_embeddings=rows,
             embedding_dim=args.dim,
             feature_names=[f],
             init_fn=_init(f, args.dim),
@@ -233,6 +229,18 @@ def build(
         )
         for f in FEATURES
     ]
+
+
+def build(
+    args: argparse.Namespace, variant: str, root: Path, rows: int = 0
+) -> DistributedModelParallel:
+    """``A'`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours`` (virtual on a
+    tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
+    if variant == "A''":
+        return build_managed_collisions(args, root)
+    virtual = variant == "ours"
+    table_rows = {"A'": args.hash_rows, "fused": rows, "ours": ID_SPACE}[variant]
+    configs = _table_configs(args, table_rows, virtual)
     ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
     fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LEARNING_RATE}
     sharder: Any = (
@@ -271,16 +279,7 @@ def build_managed_collisions(
     as ours. With ``root`` None, over TorchRec's own sharder (FUSED), the reset of new ids'
     rows given the effect fbgemm's CUDA kernel has (the check's reference)."""
     slots = slots or args.live_rows
-    configs = [
-        EmbeddingBagConfig(
-            name=f,
-            num_embeddings=slots,
-            embedding_dim=args.dim,
-            feature_names=[f],
-            init_fn=_init(f, args.dim),
-        )
-        for f in FEATURES
-    ]
+    configs = _table_configs(args, slots)
     cpu = torch.device("cpu")
     remappers = {
         f: MCHManagedCollisionModule(
