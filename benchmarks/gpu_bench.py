@@ -113,6 +113,7 @@ class WorkerSpec:
     threads: int
     check_steps: int
     reference_losses: list[float] | None = None
+    profile_steps: int = 0
 
 
 def build(spec: WorkerSpec, wl: Workload, device: torch.device) -> Built:
@@ -249,7 +250,29 @@ def _train(
         unique, misses = d_uvm[_UVM_UNIQUE_INDICES], d_uvm[_UVM_UNIQUE_MISSES]
         out["hit_rate"] = 1.0 - misses / unique if unique else None
         out["h2d_bytes_per_step"] = misses * wl.dim * 4 / timed
+    if spec.profile_steps > 0:
+        try:
+            out["profile"] = _profile(step, spec.profile_steps, device)
+        except Exception as e:  # a failed profile must not lose the figures
+            out["profile"] = f"profile failed: {type(e).__name__}: {e}"
     return out
+
+
+def _profile(step: Callable[[], None], steps: int, device: torch.device) -> str:
+    """Where ``steps`` steps after the timed windows spend their time: torch.profiler's
+    operator table (every thread, the device's kernels too on CUDA), by self device time on
+    CUDA and by self CPU time otherwise. After the windows, so it never slows a timed step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return str(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
 # ---------------------------------------------------------------------------------- parent
@@ -398,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--time-limit", type=float, default=1e9, help="seconds for all runs")
     parser.add_argument("--disk-probe-bytes", type=int, default=None, help="default 1 GiB")
     parser.add_argument("--smoke", action="store_true", help="tiny tables, a few steps")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="after timing, profile this many steps"
+    )
     parser.add_argument("--render", type=Path, help="re-summarize and re-plot a result JSON")
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -474,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 threads=args.threads,
                 check_steps=check_steps,
                 reference_losses=reference,
+                profile_steps=args.profile_steps,
             )
             runs[variant] = launch(spec, work, left)
             shutil.rmtree(spec.directory, ignore_errors=True)  # disk for the next one's files
