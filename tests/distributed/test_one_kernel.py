@@ -133,3 +133,25 @@ def test_one_kernel_trains_and_reloads_exactly(tmp_path: Path, own_pooling: Pool
     train(src, 4, seed=2)
     train(dst, 4, seed=2)
     assert_same(full_weights(src), full_weights(dst))
+
+
+def test_a_state_dict_flushes_and_a_load_purges_fbgemms_own_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA a resident FUSED_UVM_CACHING table keeps its newest rows in fbgemm's cache in
+    # HBM: TorchRec's kernel flushes it before a state dict reads the rows and resets it
+    # before a load writes them, and so must the tiered kernel that computes such a table.
+    # (On the CPU fbgemm has no cache and both calls do nothing: this checks that they are
+    # made; tests/distributed/test_cuda.py checks the rows on a GPU.)
+    model = _model(tmp_path)
+    (kernel,) = _kernels(model)
+    calls: list[str] = []
+    module = kernel.emb_module
+    flush, reset = module.flush, module.reset_cache_states
+    monkeypatch.setattr(module, "flush", lambda: (calls.append("flush"), flush())[1])
+    monkeypatch.setattr(module, "reset_cache_states", lambda: (calls.append("reset"), reset())[1])
+    state = model.state_dict()
+    assert calls == ["flush"]
+    calls.clear()
+    model.load_state_dict(state)
+    assert calls == ["reset"]

@@ -495,10 +495,16 @@ class _TieredKernelMixin(_KernelBase):
         return self._optim
 
     def flush(self) -> None:
-        # TorchRec calls this before a state dict reads the tables.
+        # TorchRec calls this before a state dict reads the tables: fbgemm's own cache of a
+        # resident UVM-cached table writes its rows back to their UVM rows (as TorchRec's
+        # kernel flushes it; nothing without one), the tiered tables' caches to their tiers.
+        self.emb_module.flush()
         self.tiers.sync_views()
 
     def purge(self) -> None:
+        # TorchRec calls this before a load writes the tables: cached rows would shadow the
+        # loaded ones (fbgemm's cache of resident UVM-cached tables, and the tiered caches).
+        self.emb_module.reset_cache_states()
         self.tiers.purge()
 
     def init_parameters(self) -> None:
