@@ -74,7 +74,7 @@ from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import machine_info, median_windows, target, write_json
 from torchrec_mtrains.benchmark.tier_probes import TierClock, tier_delta, tier_snapshot
-from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.distributed.runtime import process_group, with_index
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.types import Tier
 
@@ -157,7 +157,7 @@ def _uvm_cache_stats(built: Built) -> torch.Tensor | None:
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Builds one variant on its device, checks its losses against A's, times it."""
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.device)
+    device = with_index(torch.device(spec.device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     fields: dict[str, Any] = {k: tuple(v) if k == "sizes" else v for k, v in spec.workload.items()}
@@ -437,9 +437,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return report(json.loads(args.render.read_text()), args.out)
 
     start = time.perf_counter()
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible (torch.cuda.is_available() is False)")
+    device = str(with_index(torch.device(args.device)))  # every worker on the same GPU
     wl0 = Workload.smoke() if args.smoke else Workload.full()
     batch_sizes = [
         int(b) for b in (args.batch_sizes or ("256" if args.smoke else "8192,65536")).split(",")

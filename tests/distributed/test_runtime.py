@@ -19,6 +19,7 @@ from torchrec_mtrains.distributed.runtime import (
     free_port,
     process_group,
     resolve_device,
+    with_index,
 )
 
 
@@ -39,6 +40,39 @@ def test_each_local_rank_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="local rank 2 has no GPU of its own: this host has 2"):
         resolve_device("cuda")
+
+
+def test_a_bare_cuda_device_is_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_device refuses torch.device("cuda"): the runtime indexes it first.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_a_bare_cuda_device_forms_a_group_and_a_copy_stream() -> None:
+    import threading
+
+    from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already formed in this process")
+    with process_group(torch.device("cuda")) as group:
+        assert group.device == torch.device("cuda", torch.cuda.current_device())
+    streams = RowCopyStreams(torch.device("cuda"))
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            streams.enter_worker()
+        except BaseException as e:  # reported on the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
 
 
 def test_unknown_device_and_backends() -> None:

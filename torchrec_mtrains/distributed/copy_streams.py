@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from torchrec_mtrains.distributed.runtime import with_index
+
 # torch leaves these constructors unannotated: typed here by what they take and return.
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
@@ -41,7 +43,7 @@ class RowCopyStreams:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = with_index(device)  # the worker thread makes it current
         self._stream: torch.cuda.Stream | None = (
             _new_stream(device) if device.type == "cuda" else None
         )

@@ -83,6 +83,15 @@ def resolve_device(choice: str = "auto") -> torch.device:
     return torch.device("cuda", rank)
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current CUDA device. Code that
+    makes a device current on a thread (``torch.cuda.set_device``) needs one: torch refuses
+    ``torch.device("cuda")`` there."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA ranks, gloo for CPU ranks."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -142,6 +151,7 @@ def init_process_group(
             f"rank={rank}, world_size={world_size}, port={port}: give all three to meet on "
             "loopback, or none to use the torchrun environment"
         )
+    device = with_index(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
