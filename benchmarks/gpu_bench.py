@@ -388,7 +388,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         if bound and "ours_block_scm" in names:
             x = names.index("ours_block_scm")
             ax.hlines(bound, x - 0.4, x + 0.4, colors="k", linestyles="dashed")
-            ax.annotate("disk IOPS bound", (x, bound), ha="center", va="bottom", fontsize=8)
+            ax.annotate("disk IOPS bound", (x, bound), xytext=(0, 12), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8)  # fmt: skip
         ax.set_title(f"W1, batch {int(batch):,}, on {results['device_name']}")
         ax.set_ylabel("samples/s (median window)")
         ax.tick_params(axis="x", labelrotation=20)
