@@ -212,10 +212,11 @@ def test_multi_read_smoke(tmp_path: Path) -> None:
 
 
 def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
-    """The GPU benchmark's every part but CUDA: A, the three tiers, the disk's rate, JSON, PNG;
-    U is reported as CUDA-only."""
+    """The GPU benchmark's every part but CUDA: A, the three tiers, the disk's rate, a profile
+    after the timed windows, JSON, PNG; U is reported as CUDA-only."""
     out = tmp_path / "gpu.json"
-    _run("gpu_bench.py", "--device", "cpu", "--smoke", "--out", str(out), "--dir", str(tmp_path))
+    args = ("--device", "cpu", "--smoke", "--profile-steps", "1")
+    _run("gpu_bench.py", *args, "--out", str(out), "--dir", str(tmp_path))
     r = json.loads(out.read_text())
     runs = r["batches"]["256"]
     assert runs["U"]["ok"] is False and "CUDA only" in runs["U"]["skipped"]
@@ -230,6 +231,9 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
         assert run["stall_share"] is not None and run["tier"] in variant
         assert r["summary"]["256"][variant]["vs_A"] > 0
     assert runs["ours_block_scm"]["read_blocks_per_step"] > 0
+    # the profile names the operators a step ran, the tiered lookup's among them
+    assert "by self_cpu_time_total" in runs["A"]["profile"]
+    assert "[lookup]" in runs["ours_dram"]["profile"]
     assert r["disk"]["iops"] > 0 and r["summary"]["256"]["ours_block_scm_iops_bound_samples_per_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert not list(tmp_path.rglob("*.rows")), "each variant's tier files are removed after it"
