@@ -188,7 +188,8 @@ class Model(nn.Module):
         pooled = self.ebc(batch.sparse_features)
         if isinstance(pooled, tuple):  # a managed-collision module's: (pooled, remapped ids)
             pooled = pooled[0]
-        logits = self.dense(pooled.values()).squeeze(1)
+        by_feature = pooled.to_dict()  # in FEATURES' order whatever the sharded output's
+        logits = self.dense(torch.cat([by_feature[f] for f in FEATURES], dim=1)).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach())
 

@@ -84,3 +84,47 @@ def test_a_target_is_met_below_a_ceiling_or_above_a_floor_and_unknown_unmeasured
     assert measure.target(0.96, 0.95)["met"] is True
     assert measure.target(30.0, 25.0, at_most=True)["met"] is False
     assert measure.target(None, 25.0)["met"] is None
+
+
+def test_w1s_model_takes_the_pooled_embeddings_by_feature_in_any_output_order() -> None:
+    # A sharded collection orders its output by its kernel groups: TorchRec puts tables it
+    # prefetches into an HBM cache (FUSED_UVM_CACHING with prefetch_pipeline, W1's U) after
+    # the others. W1's model must see the same features in the same columns either way.
+    import torch
+    from torchrec.datasets.utils import Batch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+    from apps.dlrm.workloads.w1 import W1Model
+
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]
+        )
+        for i in range(3)
+    ]
+    values = {
+        f"f{i}": torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    }
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, order: list[str]) -> None:
+            super().__init__()
+            self.order = order
+
+        def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+            return configs
+
+        def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+            return KeyedTensor.from_tensor_list(self.order, [values[k] for k in self.order])
+
+    batch = Batch(
+        dense_features=torch.randn(5, 3, generator=torch.Generator().manual_seed(9)),
+        sparse_features=KeyedJaggedTensor.empty(),
+        labels=torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0]),
+    )
+    losses = []
+    for order in (["f0", "f1", "f2"], ["f1", "f2", "f0"]):
+        torch.manual_seed(0)
+        losses.append(W1Model(Pooled(order), num_dense=3)(batch)[0])  # type: ignore[arg-type]
+    assert torch.equal(losses[0], losses[1])

@@ -166,6 +166,10 @@ class W1Model(nn.Module):
     def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, width: int = 16) -> None:
         super().__init__()
         self.ebc = ebc
+        # The pooled outputs are taken by feature in the configs' order, as TorchRec's DLRM
+        # takes them: a sharded collection orders its output by its kernel groups (TorchRec
+        # puts tables it prefetches into a cache after the others).
+        self.features = [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
         num_tables = len(ebc.embedding_bag_configs())
         dim = ebc.embedding_bag_configs()[0].embedding_dim
         self.dense = nn.Linear(num_dense, width)
@@ -176,7 +180,8 @@ class W1Model(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """``(loss, (loss, logits))``, detached in the second part: the shape TorchRec's train
         pipelines expect (losses to backpropagate, then the output)."""
-        pooled = self.ebc(batch.sparse_features).values()
+        by_feature = self.ebc(batch.sparse_features).to_dict()
+        pooled = torch.cat([by_feature[f] for f in self.features], dim=1)
         x = torch.cat([torch.relu(self.dense(batch.dense_features)), pooled], dim=1)
         logit = self.over(x).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
