@@ -87,9 +87,9 @@ def test_a_target_is_met_below_a_ceiling_or_above_a_floor_and_unknown_unmeasured
 
 
 def test_w1s_model_takes_the_pooled_embeddings_by_feature_in_any_output_order() -> None:
-    # A sharded collection orders its output by its kernel groups: TorchRec puts tables it
-    # prefetches into an HBM cache (FUSED_UVM_CACHING with prefetch_pipeline, W1's U) after
-    # the others. W1's model must see the same features in the same columns either way.
+    # A sharded collection orders its output by its kernel groups: in W1's U the FUSED tables
+    # come first, then the FUSED_UVM_CACHING ones. W1's model must see the same features in
+    # the same columns whatever the plan.
     import torch
     from torchrec.datasets.utils import Batch
     from torchrec.modules.embedding_configs import EmbeddingBagConfig

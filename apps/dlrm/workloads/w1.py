@@ -167,8 +167,8 @@ class W1Model(nn.Module):
         super().__init__()
         self.ebc = ebc
         # The pooled outputs are taken by feature in the configs' order, as TorchRec's DLRM
-        # takes them: a sharded collection orders its output by its kernel groups (TorchRec
-        # puts tables it prefetches into a cache after the others).
+        # takes them: a sharded collection orders its output by its kernel groups (U's FUSED
+        # tables come before its FUSED_UVM_CACHING ones).
         self.features = [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
         num_tables = len(ebc.embedding_bag_configs())
         dim = ebc.embedding_bag_configs()[0].embedding_dim
