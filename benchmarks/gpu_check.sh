@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_check.sh SECONDS OUT_DIR [gpu_bench.py options...]
 #   bash benchmarks/gpu_check.sh 540 "$OUT"      # fits the device's 10 minutes a call
+#   bash benchmarks/gpu_check.sh 480 "$OUT" --batch-sizes 8192   # one batch size: fits a session
 set -u
 usage="usage: bash benchmarks/gpu_check.sh SECONDS OUT_DIR [gpu_bench.py options...]"
 limit=${1:?$usage}
@@ -26,14 +27,16 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 PY
 cat "$out/versions.txt"
 
-timeout $((limit / 2)) "$py" -m pytest -m cuda -q -p no:cacheprovider \
-    --junitxml="$out/cuda_tests.xml" tests >"$out/cuda_tests.log" 2>&1
+# Six workers share the GPU (71 s for the CUDA tests on an H200); -rfE names every failure.
+timeout $((limit / 2)) "$py" -m pytest -m cuda -q -p no:cacheprovider -n "${GPU_CHECK_WORKERS:-6}" \
+    -rfE --durations=12 --junitxml="$out/cuda_tests.xml" tests >"$out/cuda_tests.log" 2>&1
 tests=$?
 tail -n 5 "$out/cuda_tests.log"
 
 bench_s=$(($(left) - 20))  # room for the benchmark's report after its last variant
 timeout "$((bench_s + 15))" "$py" benchmarks/gpu_bench.py --out "$out/gpu.json" \
-    --time-limit "$bench_s" --dir "${GPU_CHECK_TMP:-/tmp}" "$@" >"$out/gpu_bench.log" 2>&1
+    --time-limit "$bench_s" --dir "${GPU_CHECK_TMP:-/tmp}" --profile-steps 3 "$@" \
+    >"$out/gpu_bench.log" 2>&1
 bench=$?
 sed -n '/^W1 on /,$p' "$out/gpu_bench.log"
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,28 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
     assert r["disk"]["iops"] > 0 and r["summary"]["256"]["ours_block_scm_iops_bound_samples_per_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert not list(tmp_path.rglob("*.rows")), "each variant's tier files are removed after it"
+
+
+def test_gpu_check_runs_the_cuda_tests_then_the_benchmark_into_one_folder(tmp_path: Path) -> None:
+    """The GPU host's one command, on the CPU: the CUDA tests (all skipped here), the benchmark
+    with the options given after the folder, every file the host's run brings back."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WORKERS": "1"}
+    env["GPU_CHECK_TMP"] = str(tmp_path)
+    args = ["--device", "cpu", "--smoke", "--variants", "A"]
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "200", str(out), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {
+        "nvidia-smi.txt", "versions.txt", "cuda_tests.log", "cuda_tests.xml", "gpu.json",
+        "gpu.png", "gpu_bench.log", "summary.txt",
+    }  # fmt: skip
+    assert "skipped" in (out / "cuda_tests.log").read_text()
+    runs = json.loads((out / "gpu.json").read_text())["batches"]["256"]
+    assert runs["A"]["ok"] and "profile" in runs["A"]
+    assert (out / "summary.txt").read_text().startswith("cuda tests: exit 0; gpu_bench: exit 0")
 
 
 def test_gpu_bench_reports_no_figure_of_a_variant_that_trains_another_model(
