@@ -128,6 +128,40 @@ def test_the_tables_weight_reads_and_sets_rows_where_they_live(tmp_path: Path) -
         weight[[2, 2]] = torch.zeros(2, DIM)
 
 
+def test_rows_set_whole_on_the_tier_are_written_without_being_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset under row-wise Adagrad sets every column of a row (weights and momentum): rows
+    on the tier are written without a read; a row set in part is still read first."""
+    case = MCCase(store="block_scm", steps=6)
+    ours = build(case, tmp_path)
+    train(ours, case)
+    (group,) = list(ours.module.mc._embedding_module.tiered_groups())
+    shard = group.shards[0]
+    ids = torch.arange(shard.local_rows)
+    _, slots = group._rows_by_id(0, ids)
+    on_tier = ids[slots < 0][:3]
+    assert on_tier.numel() == 3, "the case leaves rows outside the cache"
+    reads: list[int] = []
+    read_rows = shard.store.read_rows
+
+    def counted(ids_: Any) -> Any:
+        reads.append(len(ids_))
+        return read_rows(ids_)
+
+    monkeypatch.setattr(shard.store, "read_rows", counted)
+    rows = torch.arange(3 * DIM, dtype=torch.float32).reshape(3, DIM) / 7
+    group.set_rows(0, on_tier, rows, zero_states=True)
+    assert reads == []
+    key = weight_key(case)
+    local = local_rows(ours.state_dict()[key])
+    assert torch.equal(local[on_tier], rows) and torch.equal(
+        momentum(ours)[on_tier], torch.zeros(3)
+    )
+    group.set_rows(0, on_tier[:1], torch.ones(1, DIM))  # the weights alone: the state is kept
+    assert reads == [1]
+
+
 def test_rows_set_through_the_weight_count_as_changed(tmp_path: Path) -> None:
     """Rows set through the weight (one cached, one on the tier) are rows an incremental
     checkpoint must save."""

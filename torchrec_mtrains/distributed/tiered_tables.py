@@ -903,7 +903,19 @@ class TieredTableGroup:
         if not bool(cached.all()):
             where = torch.nonzero(~cached).flatten()
             on_tier = ids[where].numpy()
-            rows = torch.from_numpy(shard.store.read_rows(on_tier))
+            width = shard.store.layout.row_width
+            # Rows whose every column is set are written without reading them first (a
+            # managed-collision reset under row-wise Adagrad: weights and momentum).
+            whole = (
+                weights is not None
+                and (zero_states or len(parts) == 1)
+                and parts[-1][0].stop == width
+            )
+            rows = (
+                torch.empty(len(on_tier), width, dtype=torch.float32)
+                if whole
+                else torch.from_numpy(shard.store.read_rows(on_tier))
+            )
             for cols, tensor, new in values:
                 part = new[where.to(new.device)] if new.dim() else new
                 # Through the slots' dtype, so a tier row holds what a slot would.
