@@ -45,7 +45,7 @@ class RowCopyStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = with_index(device)  # the worker thread makes it current
         self._stream: torch.cuda.Stream | None = (
-            _new_stream(device) if device.type == "cuda" else None
+            _new_stream(self.device) if device.type == "cuda" else None
         )
 
     @property

@@ -181,8 +181,8 @@ class W1Model(nn.Module):
         """``(loss, (loss, logits))``, detached in the second part: the shape TorchRec's train
         pipelines expect (losses to backpropagate, then the output)."""
         by_feature = self.ebc(batch.sparse_features).to_dict()
-        pooled = torch.cat([by_feature[f] for f in self.features], dim=1)
-        x = torch.cat([torch.relu(self.dense(batch.dense_features)), pooled], dim=1)
+        dense = torch.relu(self.dense(batch.dense_features))
+        x = torch.cat([dense, *(by_feature[f] for f in self.features)], dim=1)  # one copy
         logit = self.over(x).squeeze(1)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, batch.labels)
         return loss, (loss.detach(), logit.detach())
