@@ -20,7 +20,9 @@ Variants, each in its own subprocess, from the same weights on the same batches:
 
 Every variant's first steps' losses are compared with A's before anything is timed: bit for bit
 on the CPU, within ``1e-6`` relative on CUDA (the tolerance the CUDA parity tests hold
-TorchRec's own kernels to). A variant that trains another model reports no figure.
+TorchRec's own kernels to). A variant that trains another model reports no figure. Then it
+warms up: at least ``--warmup`` steps and until its device cache is full (ours' and U's; at
+most ``--max-warmup-s``), so the timed steps evict as many rows as they load.
 
 Per variant: ms a step and samples/s (the median of ``--windows`` timed windows, the device
 synchronized at each window's ends), ratios to A and to U, the cache hit rate (unique ids a
@@ -114,6 +116,7 @@ class WorkerSpec:
     check_steps: int
     reference_losses: list[float] | None = None
     profile_steps: int = 0
+    max_warmup_s: float = 120.0
 
 
 def build(spec: WorkerSpec, wl: Workload, device: torch.device) -> Built:
@@ -142,6 +145,26 @@ def make_pipeline(spec: WorkerSpec, built: Built, device: torch.device) -> Any:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# fbgemm's set-associative cache may keep a few ways of some sets empty for long.
+UVM_CACHE_FULL_SHARE = 0.99
+
+
+def _caches_full(built: Built, groups: Sequence[Any]) -> Callable[[], bool]:
+    """Whether the variant's device caches are full: ours' (every slot resident), U's
+    (fbgemm's UVM caches, ``UVM_CACHE_FULL_SHARE`` of their lines); true without a cache."""
+    caches = [shard.cache for group in groups for shard in group.shards]
+    uvm = [tbe for tbe in fused_tbes(built.model) if tbe.lxu_cache_weights.numel() > 0]
+
+    def full() -> bool:
+        if not all(c.num_resident == c.num_slots for c in caches):
+            return False
+        return all(
+            float((tbe.lxu_cache_state >= 0).float().mean()) >= UVM_CACHE_FULL_SHARE for tbe in uvm
+        )
+
+    return full
 
 
 def _uvm_cache_stats(built: Built) -> torch.Tensor | None:
@@ -201,19 +224,31 @@ def _train(
 
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
-    for _ in range(max(spec.warmup, spec.check_steps)):
+    for _ in range(spec.check_steps):
         step()
-    _sync(device)
-    out["warmup_s"] = time.perf_counter() - t0
     out["first_losses"] = losses
-    if spec.reference_losses is not None:
+    if spec.reference_losses is not None:  # before anything else: a wrong model stops here
         rtol = CUDA_LOSS_RTOL if device.type == "cuda" else 0.0
         check_losses(spec.variant, losses, spec.reference_losses, rtol)
         exact = losses == spec.reference_losses
         out["losses_vs_A"] = "bit for bit" if exact else f"within {rtol:g} relative"
         print(f"[{spec.variant}] first {len(losses)} losses: A's, {out['losses_vs_A']}", flush=True)
+    # Steady state: at least ``warmup`` steps and until the device caches (ours', U's) are
+    # full, so that the timed steps evict as many rows as they load; at most max_warmup_s.
+    full = _caches_full(built, groups)
+    done = spec.check_steps
+    while done < spec.warmup or (
+        time.perf_counter() - t0 < spec.max_warmup_s and (done % 10 or not full())
+    ):
+        step()
+        done += 1
+    _sync(device)
+    out["warmup_s"] = time.perf_counter() - t0
+    out["warmup_steps_done"] = done
+    out["caches_full_before_timing"] = full()
+    if not out["caches_full_before_timing"]:
+        print(f"[{spec.variant}] caches not full after {done} warm-up steps", flush=True)
 
-    done = max(spec.warmup, spec.check_steps)
     timed = spec.windows * spec.window_steps
     stream.prepare(done, timed + spec.lookahead + 2)  # no batch is made inside a window
     tiers_before = tier_snapshot(groups)
@@ -420,6 +455,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--min-rows", type=int, default=None, help="default 1M (smoke 10k)")
     parser.add_argument("--lookahead", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 50)")
+    parser.add_argument(
+        "--max-warmup-s",
+        type=float,
+        default=120.0,
+        help="a variant warms up at least --warmup steps and until its device cache is full, "
+        "for at most this long",
+    )
     parser.add_argument("--windows", type=int, default=None, help="timed windows (default 5)")
     parser.add_argument("--window-steps", type=int, default=None, help="default 20")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
@@ -507,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 check_steps=check_steps,
                 reference_losses=reference,
                 profile_steps=args.profile_steps,
+                max_warmup_s=args.max_warmup_s,
             )
             runs[variant] = launch(spec, work, left)
             shutil.rmtree(spec.directory, ignore_errors=True)  # disk for the next one's files

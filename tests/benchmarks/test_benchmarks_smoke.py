@@ -232,7 +232,10 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
         assert run["stall_share"] is not None and run["tier"] in variant
         assert r["summary"]["256"][variant]["vs_A"] > 0
     assert runs["ours_block_scm"]["read_blocks_per_step"] > 0
-    # the profile names the operators a step ran, the tiered lookup's among them
+    # warmed up until the caches were full; the profile names the operators a step ran
+    for variant in ("ours_dram", "ours_byte_scm", "ours_block_scm"):
+        assert runs[variant]["caches_full_before_timing"] is True
+    assert runs["A"]["caches_full_before_timing"] is True  # no cache: nothing to fill
     assert "by self_cpu_time_total" in runs["A"]["profile"]
     assert "[lookup]" in runs["ours_dram"]["profile"]
     assert r["disk"]["iops"] > 0 and r["summary"]["256"]["ours_block_scm_iops_bound_samples_per_s"]
