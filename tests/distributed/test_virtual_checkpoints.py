@@ -23,6 +23,7 @@ from tests.distributed.virtual_harness import (
     train_steps,
     virtual_shards,
 )
+from tests.torchrec_releases import needs_bucketed_row_wise
 from torchrec_mtrains.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -188,6 +189,7 @@ def _chain_at_two_restored_at_one(rank: int, world: int, port: int, root: str) -
             assert torch.equal(got[key], torch.cat([p[key] for p in parts])[order]), key
 
 
+@needs_bucketed_row_wise
 def test_a_chain_saved_at_two_ranks_restores_at_one(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
@@ -242,6 +244,7 @@ def _chain_at_two_restored_at_two(rank: int, world: int, port: int, root: str) -
         assert mine == int(((ids >= first) & (ids < first + count)).sum()) < len(ids), mine
 
 
+@needs_bucketed_row_wise
 def test_each_rank_restores_a_chain_from_its_own_rows(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

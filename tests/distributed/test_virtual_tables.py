@@ -37,6 +37,7 @@ from tests.distributed.virtual_harness import (
     train_steps,
     virtual_shards,
 )
+from tests.torchrec_releases import needs_bucketed_row_wise
 from torchrec_mtrains.cache.id_map import VirtualTableFullError
 from torchrec_mtrains.checkpoint import expand_for_load
 from torchrec_mtrains.distributed import (
@@ -95,6 +96,7 @@ def test_the_reference_reset_is_what_makes_evictions_match(tmp_path: Path) -> No
     assert result.mismatched_step is not None
 
 
+@needs_bucketed_row_wise
 def test_row_and_table_wise_on_two_ranks(tmp_path: Path) -> None:
     cases = [
         VirtualCase(sharding="rw"),
@@ -209,6 +211,7 @@ def test_bad_ids_and_a_full_table_get_one_line_errors(tmp_path: Path) -> None:
     assert tier_stats(model)["t_v"]["live_rows"] == 10
 
 
+@needs_bucketed_row_wise
 def test_a_row_wise_plan_must_split_ids_as_torchrecs_buckets_route_them(tmp_path: Path) -> None:
     ebc = _ebc(total_num_buckets=4)
     # one rank: the plan holds every bucket, as TorchRec routes them
@@ -357,6 +360,7 @@ def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> No
         assert torch.equal(rows, saved_rows[order])
 
 
+@needs_bucketed_row_wise
 def test_a_dcp_checkpoint_of_two_ranks_loads_on_one(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

@@ -33,7 +33,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
@@ -47,6 +47,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.distributed.parity_harness import OPTIMIZERS
+from tests.torchrec_releases import row_wise_plan
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed.options import (
     TIERED_KERNEL,
@@ -209,7 +210,7 @@ def build_model(case: VirtualCase, world_size: int, root: Path | None) -> Distri
     kernel = "fused" if root is None else TIERED_KERNEL
     gen = table_wise(rank=0, compute_kernel=kernel)
     if case.sharding == "rw":
-        gen = row_wise(compute_kernel=kernel, num_buckets=case.buckets if root else None)
+        gen = row_wise_plan(kernel, case.buckets if root else None)
     module = make_module(case, virtual=root is not None)
     plan = construct_module_sharding_plan(
         module,

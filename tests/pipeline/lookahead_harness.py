@@ -25,7 +25,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
@@ -34,6 +34,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.torchrec_releases import row_wise_plan
 from torchrec_mtrains.distributed import (
     TIERED_KERNEL,
     TieredEmbeddingBagCollectionSharder,
@@ -153,7 +154,7 @@ def build(
         )
     last = world_size - 1
     gens = {
-        "big": row_wise(compute_kernel=TIERED_KERNEL, num_buckets=2 if case.virtual else None)
+        "big": row_wise_plan(TIERED_KERNEL, 2 if case.virtual else None)
         if case.sharding == "rw"
         else table_wise(rank=last, compute_kernel=TIERED_KERNEL),
         "mid": table_wise(rank=last, compute_kernel=TIERED_KERNEL),
