@@ -75,7 +75,12 @@ from apps.dlrm.workloads.w1 import (
 from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import machine_info, median_windows, target, write_json
-from torchrec_mtrains.benchmark.tier_probes import TierClock, tier_delta, tier_snapshot
+from torchrec_mtrains.benchmark.tier_probes import (
+    TierClock,
+    caches_full,
+    tier_delta,
+    tier_snapshot,
+)
 from torchrec_mtrains.distributed.runtime import process_group, with_index
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.types import Tier
@@ -151,16 +156,18 @@ def _sync(device: torch.device) -> None:
 UVM_CACHE_FULL_SHARE = 0.99
 
 
-def _caches_full(built: Built, groups: Sequence[Any]) -> Callable[[], bool]:
+def _uvm_caches(built: Built) -> list[Any]:
+    """The fbgemm modules of the variant that keep a UVM cache in HBM (U's caching kernels)."""
+    return [tbe for tbe in fused_tbes(built.model) if tbe.lxu_cache_weights.numel() > 0]
+
+
+def _caches_full(built: Built, groups: list[Any]) -> Callable[[], bool]:
     """Whether the variant's device caches are full: ours' (every slot resident), U's
     (fbgemm's UVM caches, ``UVM_CACHE_FULL_SHARE`` of their lines); true without a cache."""
-    caches = [shard.cache for group in groups for shard in group.shards]
-    uvm = [tbe for tbe in fused_tbes(built.model) if tbe.lxu_cache_weights.numel() > 0]
+    uvm = _uvm_caches(built)
 
     def full() -> bool:
-        if not all(c.num_resident == c.num_slots for c in caches):
-            return False
-        return all(
+        return caches_full(groups) and all(
             float((tbe.lxu_cache_state >= 0).float().mean()) >= UVM_CACHE_FULL_SHARE for tbe in uvm
         )
 
@@ -171,8 +178,8 @@ def _uvm_cache_stats(built: Built) -> torch.Tensor | None:
     """U's fbgemm UVM-cache counters summed over its caching kernels (None for the others)."""
     stats = [
         tbe.get_uvm_cache_stats().detach().to("cpu", torch.float64)
-        for tbe in fused_tbes(built.model)
-        if getattr(tbe, "gather_uvm_cache_stats", False) and tbe.lxu_cache_weights.numel() > 0
+        for tbe in _uvm_caches(built)
+        if getattr(tbe, "gather_uvm_cache_stats", False)
     ]
     return torch.stack(stats).sum(0) if stats else None
 

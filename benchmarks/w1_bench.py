@@ -106,6 +106,7 @@ from torchrec_mtrains.benchmark.measure import (
 from torchrec_mtrains.benchmark.memory_cap import cgroup_support, run_capped
 from torchrec_mtrains.benchmark.tier_probes import (
     TierClock,
+    caches_full,
     isolated_block_reads,
     tier_delta,
     tier_snapshot,
@@ -299,10 +300,9 @@ def train(
     t0 = time.perf_counter()
     warm_before = tier_snapshot(groups)
     done = 0
-    caches = [shard.cache for group in groups for shard in group.shards]
 
-    def caches_full() -> bool:
-        return not spec.fill_caches or all(c.num_resident == c.num_slots for c in caches)
+    def filled() -> bool:
+        return not spec.fill_caches or caches_full(groups)
 
     # Steady state: at least ``steps.warmup`` steps and, for ours, until every cache is full,
     # so that the timed steps evict (and write back) as many rows as they load.
@@ -310,13 +310,13 @@ def train(
     unchecked = len(reference) if reference is not None else 0
     while done < unchecked or (
         time.perf_counter() - t0 < spec.max_warmup_s
-        and (done < steps.warmup or (done % 10 != 0 or not caches_full()))
+        and (done < steps.warmup or (done % 10 != 0 or not filled()))
     ):
         record(step(done))
         done += 1
         if done % max(1, steps.warmup // 5) == 0:
             print(f"[{spec.variant}] warm-up {done}/{steps.warmup}", flush=True)
-    full = caches_full()
+    full = filled()
     if done < steps.warmup or not full:
         print(
             f"[{spec.variant}] warm-up stopped after {done} steps ({spec.max_warmup_s:.0f} s)"
@@ -324,7 +324,7 @@ def train(
             flush=True,
         )
     out["warmup_steps_done"] = done
-    out["caches_full_before_timing"] = full if caches else None
+    out["caches_full_before_timing"] = full if groups else None
     out["warmup_s"] = time.perf_counter() - t0
     out["rss_after_warmup_bytes"] = rss_bytes()
     if groups:

@@ -15,7 +15,7 @@ import numpy as np
 from torchrec_mtrains.distributed import tier_io
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
-__all__ = ["TierClock", "isolated_block_reads", "tier_delta", "tier_snapshot"]
+__all__ = ["TierClock", "caches_full", "isolated_block_reads", "tier_delta", "tier_snapshot"]
 
 
 class TierClock:
@@ -72,6 +72,14 @@ class TierClock:
         out["stall_s"] = sum(c.stall_seconds for c in counters)
         out["io_s"] = sum(c.io_seconds for c in counters)
         return out
+
+
+def caches_full(groups: list[TieredTableGroup]) -> bool:
+    """Whether every tiered table's cache holds a row in each of its slots: from then on a
+    step evicts as many rows as it loads (a benchmark's steady state)."""
+    return all(
+        shard.cache.num_resident == shard.cache.num_slots for g in groups for shard in g.shards
+    )
 
 
 def tier_snapshot(groups: list[TieredTableGroup]) -> dict[str, dict[str, float]]:
