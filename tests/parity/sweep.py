@@ -442,7 +442,7 @@ class _Schedule:
         with deferred_views(groups):
             state = self._state()
             saved = (
-                changed_state_dict(state, groups)
+                changed_state_dict(state, groups, self.pg)
                 if kind == "inc"
                 else full_state_dict(state, groups)
             )

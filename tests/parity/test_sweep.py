@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +163,109 @@ def test_a_fixed_seed_slice_of_the_managed_collision_axis_is_exact(tmp_path: Pat
     assert {c.dtype for c in cases} == {"fp32", "fp16"}
     summary, failures = mc_report(run_mc(cases, tmp_path))
     assert not failures, "\n".join([summary, *failures])
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_saving_a_resident_table_whole_in_an_incremental_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Found by ``--sweep 500 --seed 70``: ``t0`` (FUSED, row-wise over two ranks, computed by
+    the tiered kernel) changed on most rows of one rank's shard and few of the other's, so one
+    rank saved it whole and the other its changed rows, and dcp refused the plan ("invalid
+    fill"). The ranks now agree: whole on both."""
+    case = SweepCase.from_line(json.dumps(CASE_RESIDENT_SAVED_WHOLE_ON_ONE_RANK))
+    outcomes = run_spawned([case], tmp_path)
+    assert len(outcomes) == 1
+    _assert_all_exact(outcomes)
+
+
+CASE_RESIDENT_SAVED_WHOLE_ON_ONE_RANK: dict[str, Any] = {
+    "batch": 1,
+    "block_layout": "flat",
+    "dtype": "fp32",
+    "kind": "ec",
+    "loop": "torchrec",
+    "max_ids": 1,
+    "ops": ["train:1", "save:full", "train:2", "save:inc"],
+    "optimizer": "sgd",
+    "pooling": "sum",
+    "seed": 70000512,
+    "steps": 6,
+    "tables": [
+        {
+            "cache": 0.0,
+            "dim": 8,
+            "features": ["f0"],
+            "hot_rows": 0,
+            "name": "t3",
+            "placement": "fused",
+            "policy": "lru",
+            "rank": 0,
+            "rows": 107,
+            "sharding": "column_wise",
+        },
+        {
+            "cache": 1.0,
+            "dim": 8,
+            "features": ["f1"],
+            "hot_rows": 4,
+            "name": "t4",
+            "placement": "block_scm",
+            "policy": "lru",
+            "rank": 0,
+            "rows": 409,
+            "sharding": "column_wise",
+        },
+        {
+            "cache": 1.0,
+            "dim": 8,
+            "features": ["f2", "f3"],
+            "hot_rows": 0,
+            "name": "t2",
+            "placement": "byte_scm",
+            "policy": "lru",
+            "rank": 1,
+            "rows": 4,
+            "sharding": "row_wise",
+        },
+        {
+            "cache": 0.782307207715952,
+            "dim": 8,
+            "features": ["f4"],
+            "hot_rows": 10,
+            "name": "t1",
+            "placement": "fused",
+            "policy": "lfu",
+            "rank": 0,
+            "rows": 63,
+            "sharding": "row_wise",
+        },
+        {
+            "cache": 0.0,
+            "dim": 8,
+            "features": ["f5", "f6", "f7"],
+            "hot_rows": 2,
+            "name": "t0",
+            "placement": "fused",
+            "policy": "lru",
+            "rank": 1,
+            "rows": 7,
+            "sharding": "row_wise",
+        },
+        {
+            "cache": 0.0,
+            "dim": 8,
+            "features": ["f8", "f4", "f9"],
+            "hot_rows": 0,
+            "name": "t5",
+            "placement": "fused",
+            "policy": "lfu",
+            "rank": 0,
+            "rows": 49648,
+            "sharding": "table_wise",
+        },
+    ],
+    "vbe": False,
+    "weighted": False,
+    "world_size": 2,
+}

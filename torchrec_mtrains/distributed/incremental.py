@@ -29,12 +29,13 @@ all of a row's columns; others go through the views.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -127,6 +128,25 @@ def _replace(
         elif not replaced(path, value):
             out[key] = value
     return out
+
+
+def _leaves(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of ``state``, paths as :func:`_replace` names them."""
+    for key, value in state.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            yield from _leaves(value, path)
+        else:
+            yield path, value
+
+
+def _union_over_ranks(paths: set[str], process_group: dist.ProcessGroup | None) -> set[str]:
+    """``paths`` of every rank of ``process_group`` (this rank's alone without a group)."""
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return paths
+    everyone: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, sorted(paths), group=process_group)
+    return {path for theirs in everyone for path in theirs}
 
 
 # ------------------------------------------------------------------------------- saving
@@ -273,13 +293,17 @@ class _ScanRows:
 
 
 def changed_state_dict(
-    state: Mapping[str, Any], groups: Sequence[TieredTableGroup]
+    state: Mapping[str, Any],
+    groups: Sequence[TieredTableGroup],
+    process_group: dist.ProcessGroup | None = None,
 ) -> TierCheckpoint:
     """The dcp state dict of an incremental checkpoint: ``state`` (a nested state dict of model
     and optimizer) with each sharded tensor whose shards view tiered rows of ``groups``, or the
     resident tables their kernels compute, replaced by the ids and values of its rows changed
     since the groups' last ``clear_changes()``. Save it with the returned planner. (Tables on
-    TorchRec's own kernels are kept whole.)
+    TorchRec's own kernels are kept whole.) ``process_group``: the ranks that save (default:
+    all); they agree on which resident tables are saved whole (a collective), since dcp needs
+    every shard of a tensor it writes.
 
     Raises:
         ValueError: naming a table whose changes are not tracked.
@@ -307,19 +331,37 @@ def changed_state_dict(
     resident = _resident_regions(groups)
     resident_chunks: list[tuple[str, Shard, _ResidentRegion]] = []
 
-    def replaced_resident(path: str, value: Any) -> bool:
+    def homes(value: Any) -> list[tuple[Shard, _ResidentRegion]] | None:
+        """The resident regions of a tensor's local shards, when each has one worth saving by
+        its changed rows; None otherwise."""
         if not isinstance(value, ShardedTensor) or not value.local_shards():
-            return False
+            return None
         found = []
         for shard in value.local_shards():
             home = next((r for r in resident if r.holds(shard.tensor)), None)
             if home is None or not home.worth_it():
-                return False
-            found.append((path, shard, home))
-        resident_chunks.extend(found)
+                return None
+            found.append((shard, home))
+        return found
+
+    kept = _replace(state, replaced)
+    # A rank may save a table whole (its shard changed a lot, or TorchRec's kernel computes it
+    # there) where another saves its changed rows: then the table is saved whole everywhere.
+    whole = {
+        path
+        for path, value in _leaves(kept)
+        if isinstance(value, ShardedTensor) and value.local_shards() and homes(value) is None
+    }
+    whole = _union_over_ranks(whole, process_group)
+
+    def replaced_resident(path: str, value: Any) -> bool:
+        found = None if path in whole else homes(value)
+        if found is None:
+            return False
+        resident_chunks.extend((path, shard, home) for shard, home in found)
         return True
 
-    out = _replace(_replace(state, replaced), replaced_resident)
+    out = _replace(kept, replaced_resident)
     for path, shard, home in resident_chunks:
         first = (shard.tensor.data_ptr() - home.start) // home.row_bytes
         size = int(shard.metadata.shard_sizes[0])
