@@ -20,6 +20,7 @@ from tests.distributed.virtual_harness import (
     batch,
     build_model,
     outputs,
+    run_case,
     train_steps,
     virtual_shards,
 )
@@ -251,3 +252,28 @@ def test_each_rank_restores_a_chain_from_its_own_rows(tmp_path: Path) -> None:
     from torchrec_mtrains.distributed.runtime import free_port
 
     mp.spawn(_chain_at_two_restored_at_two, args=(2, free_port(), str(tmp_path)), nprocs=2)
+
+
+def test_an_incremental_link_deletes_an_evicted_id_an_evaluated_batch_looks_up_again(
+    tmp_path: Path,
+) -> None:
+    """Found by the sweep's evaluation axis (``--virtual --sweep 120 --seed 71``): an id live
+    in one link, evicted since, then looked up by an evaluated batch still in flight when the
+    next link was taken, was not recorded as deleted (its provisional row passed for live), so
+    the chain restored it and refused the link. Such an id is a deletion."""
+    case = VirtualCase(
+        store="block_scm",
+        optimizer="adagrad",
+        max_live_rows=184,
+        cache_load_factor=1.0,
+        policy="lru",
+        steps=17,
+        seed=71000263,
+        eviction="count",
+        trigger=61,
+        reload_at=6,
+        reload_from="chain",
+        evaluate_every=1,
+    )
+    result = run_case(case, 0, 1, tmp_path)
+    assert result.mismatched_step is None and result.untrained_live == 0

@@ -31,6 +31,8 @@ from tests.distributed.virtual_harness import (
     VirtualCase,
     batch,
     build_model,
+    fill_reference,
+    initial_weights,
     outputs,
     run_case,
     spawn_cases,
@@ -485,3 +487,158 @@ def test_live_rows_without_room_on_disk_are_refused_naming_the_directory(
     assert list((tmp_path / virtual_state.LIVE_ROWS_DIR).iterdir()) == []  # nothing left
     small = virtual_state.live_row_buffer(64, 16, torch.float32, None)  # no directory: memory
     assert small.untyped_storage().filename is None
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def _eval_batch(case: VirtualCase, step: int, unseen: bool) -> KeyedJaggedTensor:
+    """An evaluated batch: feature f0 over the training batches' ids, f1 (``unseen``) over ids
+    no training batch draws."""
+    _, kjt = batch(case, 0, 1_000 + step)
+    if not unseen:
+        return kjt
+    f0, f1, f2 = (kjt[f].values() for f in ("f0", "f1", "f2"))
+    return KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"],
+        values=torch.cat([f0, f1 + 10_000, f2]),
+        lengths=kjt.lengths(),
+        weights=kjt.weights_or_none(),
+    )
+
+
+def _evaluate(model: DistributedModelParallel, case: VirtualCase, kjt: KeyedJaggedTensor) -> Any:
+    model.eval()
+    with torch.no_grad():
+        out = outputs(case, model(kjt))
+    model.train()
+    return out
+
+
+def _virtual_state(model: DistributedModelParallel) -> dict[str, torch.Tensor]:
+    """The virtual table's state dict entries and its optimizer's, as local tensors."""
+    out = {}
+    prefix = "embedding_bags.t_virtual"
+    for key, value in model.state_dict().items():
+        if key.startswith(prefix):
+            out[key] = value.local_shards()[0].tensor.clone()
+    for key, value in model.fused_optimizer.state_dict()["state"][f"{prefix}.weight"].items():
+        out[f"optim.{key}"] = value.local_shards()[0].tensor.clone()
+    return out
+
+
+def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+STATISTICS = ("live_rows", "rows_made", "rows_evicted", "eviction_rounds")
+
+
+@pytest.mark.parametrize(
+    ("store", "eviction"), [("log_block_scm", "count"), ("dram", "ttl"), ("byte_scm", "mixed")]
+)
+def test_an_evaluation_changes_nothing_a_checkpoint_or_an_eviction_round_sees(
+    store: str, eviction: str, tmp_path: Path
+) -> None:
+    """Evaluated batches of known and unseen ids between training steps: the run trains, evicts
+    and checkpoints exactly as one that never evaluated, even while an evaluated batch holds
+    provisional rows (as fbgemm's SSD kernels write nothing to their table in evaluation)."""
+    case = VirtualCase(store=store, eviction=eviction, trigger=60, max_live_rows=330, steps=14)
+    never = build_model(case, 1, tmp_path / "never")
+    evaluated = build_model(case, 1, tmp_path / "evaluated")
+    (never_rows,), (evaluated_rows,) = virtual_shards(never), virtual_shards(evaluated)
+    for step in range(case.steps):
+        a = train_steps(never, case, range(step, step + 1))
+        b = train_steps(evaluated, case, range(step, step + 1))
+        assert torch.equal(a[0], b[0]), step
+        _evaluate(evaluated, case, _eval_batch(case, step, unseen=True))
+        assert evaluated_rows.provisional  # the unseen ids' rows, held by the batch in flight
+        assert evaluated_rows.stats() == never_rows.stats(), step
+        if step == 6:  # a checkpoint taken while the evaluated batch holds them
+            _assert_same_state(_virtual_state(never), _virtual_state(evaluated))
+    assert never_rows.eviction.rounds > 0 and never_rows.eviction.evicted > 0
+    _assert_same_state(_virtual_state(never), _virtual_state(evaluated))
+    stats_never, stats_evaluated = (tier_stats(m)["t_virtual"] for m in (never, evaluated))
+    for name in STATISTICS:
+        assert stats_never[name] == stats_evaluated[name], name
+
+
+def test_evaluated_outputs_are_the_fused_tables_and_new_ids_get_no_rows(tmp_path: Path) -> None:
+    case = VirtualCase(steps=6)
+    ref = build_model(case, 1, None)
+    fill_reference(case, ref)
+    model = build_model(case, 1, tmp_path)
+    (rows,) = virtual_shards(model)
+    assert torch.equal(train_steps(ref, case, range(3))[-1], train_steps(model, case, range(3))[-1])
+    live, before = rows.live_count(), _virtual_state(model)
+    for step in range(3):  # ids the reference has rows for, many not trained yet
+        kjt = _eval_batch(case, step, unseen=False)
+        assert torch.equal(_evaluate(ref, case, kjt), _evaluate(model, case, kjt)), step
+    assert rows.provisional
+    assert rows.live_count() == live and tier_stats(model)["t_virtual"]["live_rows"] == live
+    _assert_same_state(before, _virtual_state(model))
+    for a, b in zip(train_steps(ref, case, range(3, 6)), train_steps(model, case, range(3, 6))):
+        assert torch.equal(a, b)
+    assert not rows.provisional  # given back once no batch holds them
+
+
+def test_a_batch_prefetched_for_evaluation_that_trains_keeps_its_new_rows(tmp_path: Path) -> None:
+    """The module's mode changed between a prefetch and its forward: the forward trains, so
+    the rows the prefetch gave as provisional become rows of their own, on the tier too."""
+    case = VirtualCase(steps=4)
+    plain = build_model(case, 1, tmp_path / "plain")
+    switched = build_model(case, 1, tmp_path / "switched")
+    train_steps(plain, case, range(2))
+    train_steps(switched, case, range(2))
+    (group,) = [
+        g
+        for m in switched.modules()
+        if not isinstance(m, DistributedModelParallel)
+        for g in getattr(m, "tiered_groups", list)()
+    ]
+    _, kjt = batch(case, 0, 2)
+    group.prefetch(kjt.values(), kjt.length_per_key(), train=False)
+    (rows,) = virtual_shards(switched)
+    assert rows.provisional  # planned for evaluation
+    for a, b in zip(
+        train_steps(plain, case, range(2, 4)), train_steps(switched, case, range(2, 4))
+    ):
+        assert torch.equal(a, b)
+    assert group.io_counters().prefetched_batches == 1  # the forward took the prefetch
+    assert not rows.provisional
+    (plain_rows,) = virtual_shards(plain)
+    assert rows.stats() == plain_rows.stats()
+    switched.state_dict()  # writes the cache back
+    _assert_same_state(_virtual_state(plain), _virtual_state(switched))
+
+
+def test_a_checkpoint_before_a_prefetched_batch_trains_holds_the_rows_it_took_over(
+    tmp_path: Path,
+) -> None:
+    """A batch prefetched for training takes over the provisional rows an evaluated batch gave
+    its ids: a checkpoint taken before its forward holds them at their initial values."""
+    case = VirtualCase(steps=3)
+    model = build_model(case, 1, tmp_path)
+    train_steps(model, case, range(2))
+    (group,) = [
+        g
+        for m in model.modules()
+        if not isinstance(m, DistributedModelParallel)
+        for g in getattr(m, "tiered_groups", list)()
+    ]
+    kjt = _eval_batch(case, 0, unseen=True)
+    _evaluate(model, case, kjt)  # in flight: its unseen ids' rows are provisional
+    (rows,) = virtual_shards(model)
+    assert rows.provisional
+    taken = rows.id_map.row_ids[sorted(rows.provisional)]
+    group.prefetch(kjt.values(), kjt.length_per_key(), train=True)
+    assert not rows.provisional
+    state = _virtual_state(model)
+    ids = state["embedding_bags.t_virtual.weight_id"].flatten()
+    at = torch.searchsorted(ids, torch.from_numpy(taken))
+    assert torch.equal(ids[at], torch.from_numpy(taken))
+    weights = state["embedding_bags.t_virtual.weight"][at]
+    assert torch.equal(weights, initial_weights(case, torch.from_numpy(taken)))
+    group.cancel_prefetches()

@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -103,6 +104,9 @@ class VirtualCase:
     # how: "state_dicts", or "chain": a checkpoint chain (a full link, then an incremental
     # one a step up to reload_at) restored by CheckpointManager
     reload_from: str = "state_dicts"
+    # after every this many steps (0: never) both models evaluate a batch (eval mode, no grad)
+    # between the training steps: outputs compared, and no id it looked up gets a live row
+    evaluate_every: int = 0
 
     @property
     def id(self) -> str:
@@ -124,6 +128,13 @@ def reference_row(case: VirtualCase, ids: torch.Tensor) -> torch.Tensor:
         return ids
     rank1_first = bucket_rows(case.num_embeddings, case.buckets, 2)[0]
     return torch.where(ids < rank1_first, ids, ids - rank1_first + REF_ROWS // 2)
+
+
+def initial_weights(case: VirtualCase, ids: torch.Tensor) -> torch.Tensor:
+    """The weights the virtual table gives ``ids`` (virtual ids) when it makes their rows."""
+    values = torch.empty(int(ids.numel()), DIM)
+    _configs(case, virtual=True)[0].init_fn.fill_ids(values, ids)
+    return values
 
 
 STEP_SECONDS = 60.0  # the virtual model's clock advances a minute a step (TTLs in minutes)
@@ -334,6 +345,8 @@ class VirtualResult:
     largest_diff: float
     stats: dict[str, dict[str, float]]
     error: str | None = None
+    # live ids no training batch brought (an evaluation made rows it should not have)
+    untrained_live: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -374,8 +387,57 @@ def run_case(
             mismatched = step if mismatched is None else mismatched
         a.square().sum().backward()
         b.square().sum().backward()
+        if case.evaluate_every and (step + 1) % case.evaluate_every == 0:
+            a, b = _evaluated(case, rank, step, ref, tie, shards)
+            if not torch.equal(a, b):
+                largest = max(largest, float((a - b).abs().max()))
+                mismatched = step if mismatched is None else mismatched
     stats = dict(tier_stats(tie).items())
-    return VirtualResult(case, rank, mismatched, largest, stats)
+    untrained = _untrained_live(case, world_size, shards)
+    return VirtualResult(case, rank, mismatched, largest, stats, untrained_live=untrained)
+
+
+@torch.no_grad()
+def _evaluated(
+    case: VirtualCase,
+    rank: int,
+    step: int,
+    ref: DistributedModelParallel,
+    tie: DistributedModelParallel,
+    shards: Sequence[VirtualRows],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' outputs of an evaluated batch after ``step`` (ids of the reference rows,
+    many not trained yet). A round its new ids needed resets the reference as in training."""
+    ref_batch, virt_batch = batch(case, rank, 100_000 + step)
+    tie.eval()
+    b = outputs(case, tie(virt_batch))
+    tie.train()
+    for shard in shards:
+        assert shard.history is not None
+        for record in shard.history:
+            if record.batch + shard.batches_before == step + 1:  # again: idempotent
+                reset_reference_rows(case, ref, torch.from_numpy(record.ids))
+    ref.eval()
+    a = outputs(case, ref(ref_batch))
+    ref.train()
+    return a, b
+
+
+def _untrained_live(case: VirtualCase, world_size: int, shards: Sequence[VirtualRows]) -> int:
+    """How many of this rank's live ids no rank's training batch brought."""
+    trained = torch.cat(
+        [
+            torch.cat([kjt["f0"].values(), kjt["f1"].values()])
+            for rank in range(world_size)
+            for step in range(case.steps)
+            for kjt in (batch(case, rank, step)[1],)
+        ]
+    ).numpy()
+    untrained = 0
+    for shard in shards:
+        ids, _ = shard.live()
+        untrained += int((~np.isin(ids + shard.space.id_offset, trained)).sum())
+    return untrained
 
 
 def _watch(model: DistributedModelParallel, clock: list[float]) -> list[VirtualRows]:

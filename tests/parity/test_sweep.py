@@ -147,6 +147,7 @@ def test_a_fixed_seed_slice_of_the_virtual_table_axis_is_exact(tmp_path: Path) -
     cases = draw_virtual_cases(40, SEED)
     assert {c.world_size for c in cases} == {1, 2}
     assert {c.eviction for c in cases} >= {"none", "count", "ttl", "mixed", "l2"}
+    assert {c.evaluate_every > 0 for c in cases} == {True, False}
     outcomes = run_virtual(cases, tmp_path)
     summary, failures = virtual_report(outcomes)
     assert not failures, "\n".join([summary, *failures])

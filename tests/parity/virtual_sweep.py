@@ -3,8 +3,9 @@
 Each case (:class:`tests.distributed.virtual_harness.VirtualCase`) draws the id space (2**20 to
 2**50 ids, 2 to 8 buckets), the sharding (table- or row-wise), the world size (1 or 2), the
 store (every tier and layout), EBC or EC (weighted or not), the optimizer, the cache size and
-policy, the bound on live rows, the eviction policy with its trigger, and whether the model is
-replaced midway by one loaded from its state dicts (module and optimizer, in either order) or
+policy, the bound on live rows, the eviction policy with its trigger, whether both models
+evaluate batches between training steps (outputs compared; no id only evaluated may hold a live
+row), and whether the model is replaced midway by one loaded from its state dicts (module and optimizer, in either order) or
 restored from a checkpoint chain (a full link, then incremental ones), and is compared step by step with a FUSED table of the rows its ids stand for (see the harness).
 
 Run it::
@@ -82,6 +83,7 @@ def draw_virtual_case(rng: random.Random, seed: int) -> VirtualCase:
         reload_at=rng.choice((0, 0, rng.randint(1, steps - 1))),
         optimizer_first=rng.random() < 0.5,
         reload_from=rng.choice(("state_dicts", "chain")),
+        evaluate_every=rng.choice((0, 0, rng.randint(1, 5))),
     )
 
 
@@ -99,7 +101,9 @@ def _first_line(error: str) -> str:
 def _status(result: dict[str, Any]) -> str:
     if result["error"] is not None:
         return "refused" if FULL in result["error"] else "error"
-    return "ok" if result["mismatched_step"] is None else "mismatch"
+    if result["mismatched_step"] is not None or result.get("untrained_live"):
+        return "mismatch"
+    return "ok"
 
 
 def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualCase, str, str]]:
@@ -112,7 +116,12 @@ def run_virtual(cases: Sequence[VirtualCase], root: Path) -> list[tuple[VirtualC
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}", "mismatched_step": None}
         error = result.get("error")
-        detail = _first_line(error) if error else f"first mismatch {result['mismatched_step']}"
+        detail = (
+            _first_line(error)
+            if error
+            else f"first mismatch {result['mismatched_step']}, "
+            f"{result.get('untrained_live', 0)} live ids never trained"
+        )
         out[i] = (case, _status(result), detail)
 
     def judge(results: list[dict[str, Any]]) -> tuple[str, str]:

@@ -483,8 +483,10 @@ class _TieredKernelMixin(_KernelBase):
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Plans a later batch's rows and starts reading the missing ones (see
-        :meth:`TieredTableGroup.prefetch`); the forward given the same features uses them."""
-        self.tiers.prefetch(features.values(), features.length_per_key())
+        :meth:`TieredTableGroup.prefetch`); the forward given the same features uses them.
+        Planned for training or evaluation as the module is now (a forward then trains)."""
+        train = self.training and torch.is_grad_enabled()
+        self.tiers.prefetch(features.values(), features.length_per_key(), train)
 
     @property
     def emb_module(self) -> SplitTableBatchedEmbeddingBagsCodegen:

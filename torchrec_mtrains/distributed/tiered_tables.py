@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
@@ -39,7 +41,7 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
-from torchrec_mtrains.distributed.virtual_rows import VirtualRows
+from torchrec_mtrains.distributed.virtual_rows import AssignedRows, VirtualRows
 from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
@@ -106,6 +108,8 @@ class _PlannedBatch:
 
     values: torch.Tensor
     lengths: list[int]
+    # Planned for training (else evaluation: see virtual_rows for what that changes).
+    train: bool = True
     # Set once its ids are on the host and checked (see TieredTableGroup._split).
     segments: list[torch.Tensor] = field(default_factory=list)
     per_table: list[list[int]] = field(default_factory=list)
@@ -115,6 +119,8 @@ class _PlannedBatch:
     # Rows written into slots from an initializer, not read from the tier (a virtual table's
     # new ids): (shard, slots, tier rows).
     fills: list[tuple[TieredTableShard, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # An evaluated batch's provisional rows of virtual tables, per shard index, released with it.
+    held_rows: list[tuple[int, npt.NDArray[np.int64]]] = field(default_factory=list)
     # The batch's ids with each tiered table's replaced by its slot (host memory, pinned when
     # the batch is on CUDA): what its forward hands fbgemm. None for a batch without ids.
     remapped: torch.Tensor | None = None
@@ -320,7 +326,9 @@ class TieredTableGroup:
             table_ids.append(t_ids)
         batch.segments, batch.per_table, batch.table_ids = segments, per_table, table_ids
 
-    def _plan_batch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> _PlannedBatch:
+    def _plan_batch(
+        self, values: torch.Tensor, lengths_per_feature: list[int], train: bool
+    ) -> _PlannedBatch:
         """Checks one batch's ids, then plans it on every table (holding its slots) and moves
         its rows in. With background I/O both the planning and the I/O run on the worker, so
         the training thread only checks ids; otherwise everything runs here.
@@ -331,7 +339,7 @@ class TieredTableGroup:
         batch's forward, before its lookup, and nothing of the batch is read or written."""
         self._check_no_reported_error()
         self.absorb_view_writes()
-        batch = _PlannedBatch(values, list(lengths_per_feature))
+        batch = _PlannedBatch(values, list(lengths_per_feature), train)
         if self.io.background and values.device.type == "cuda":
             batch.host_ids, batch.ids_ready = RowCopyStreams.to_host(values)
             batch.io = self.io.submit(self._check_plan_and_move, batch)
@@ -360,8 +368,8 @@ class TieredTableGroup:
             for index, ids in self._hot_rows.items():
                 self._pin(index, ids, inline=True)
         uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
-        self._planned_batches += 1
-        made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._planned_batches += batch.train
+        made: list[tuple[int, torch.Tensor, AssignedRows]] = []
         with self._cache_lock:
             # Virtual tables' ids become rows first; an eviction round reads which slots the
             # batches in flight hold, which the training thread releases under this lock.
@@ -373,13 +381,14 @@ class TieredTableGroup:
                     shard.cache.check_fits(uniq)
             except BaseException:
                 self._unassign_rows(made)
+                batch.held_rows = []
                 raise
             plans = [shard.cache.plan(uniq) for shard, (uniq, _) in zip(self.shards, uniques)]
             for shard, plan in zip(self.shards, plans):
                 shard.cache.hold(plan.slots)
             batch.after_release = self._released
             if made:
-                plans, new_rows = self._take_made_rows(plans, made)
+                plans, new_rows = self._take_made_rows(plans, made, batch)
         # Their initial values need no lock: the training thread waits on the cache lock.
         for shard, slots, ids in new_rows if made else ():
             virtual, layout = shard.virtual, shard.store.layout
@@ -399,25 +408,29 @@ class TieredTableGroup:
     def _assign_rows(
         self, batch: _PlannedBatch, uniques: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[
-        list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor]]
+        list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, AssignedRows]]
     ]:
         """Turns each virtual shard's unique ids into its store rows (see
         :meth:`VirtualRows.assign`); ``batch.table_ids`` become rows too. Returns the rows and,
-        per shard that made rows, the positions of its new ids and the ids. A shard without
-        room for its new ids refuses the batch, with nothing assigned on any shard."""
+        per virtual shard, its unique ids and what was assigned. A shard without room for its
+        new ids refuses the batch, with nothing assigned on any shard."""
         out = list(uniques)
-        made: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        made: list[tuple[int, torch.Tensor, AssignedRows]] = []
         try:
             for index, shard in enumerate(self.shards):
                 if shard.virtual is None:
                     continue
                 uniq, inverse = uniques[index]
-                rows, new = shard.virtual.assign(
-                    uniq, shard.cache, shard.store, shard.weight_slots, self._planned_batches
+                assigned = shard.virtual.assign(
+                    uniq,
+                    shard.cache,
+                    shard.store,
+                    shard.weight_slots,
+                    self._planned_batches,
+                    batch.train,
                 )
-                if new.numel():
-                    made.append((index, new, uniq[new]))
-                out[index] = (rows, inverse)
+                made.append((index, uniq, assigned))
+                out[index] = (assigned.rows, inverse)
         except BaseException:
             self._unassign_rows(made)
             raise
@@ -425,33 +438,43 @@ class TieredTableGroup:
             if shard.virtual is not None:
                 rows, inverse = out[index]
                 batch.table_ids[index] = rows[inverse]
+        batch.held_rows = [(index, a.held) for index, _, a in made if a.held.size]
         return out, made
 
-    def _unassign_rows(self, made: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        for index, _, ids in made:
+    def _unassign_rows(self, made: list[tuple[int, torch.Tensor, AssignedRows]]) -> None:
+        for index, ids, assigned in made:
             virtual = self.shards[index].virtual
             assert virtual is not None
-            virtual.unassign(ids)
+            virtual.unassign(ids, assigned)
 
     def _take_made_rows(
-        self, plans: list[CachePlan], made: list[tuple[int, torch.Tensor, torch.Tensor]]
+        self,
+        plans: list[CachePlan],
+        made: list[tuple[int, torch.Tensor, AssignedRows]],
+        batch: _PlannedBatch,
     ) -> tuple[list[CachePlan], list[tuple[TieredTableShard, torch.Tensor, torch.Tensor]]]:
         """New ids' rows go into their slots from their initializer, not from the tier: they
-        leave the plans' loads and are marked dirty (so the tier gets them when the cache
-        writes them back). Returns the plans and, per shard, the slots and ids to fill (the
-        batch's ``fills``, whose values the caller computes). Called with the cache lock
-        held."""
+        leave the plans' loads. A training batch's are marked dirty (so the tier gets them when
+        the cache writes them back), as are the provisional rows it trains; an evaluated
+        batch's provisional rows never reach the tier. Returns the plans and, per shard, the
+        slots and ids to fill (the batch's ``fills``, whose values the caller computes).
+        Called with the cache lock held."""
         plans = list(plans)
         fills = []
-        for index, new, ids in made:
+        for index, ids, assigned in made:
             shard, plan = self.shards[index], plans[index]
-            slots = plan.slots[new]
+            if batch.train and assigned.kept.numel():
+                shard.cache.mark_dirty(plan.slots[assigned.kept])
+            if not assigned.made.numel():
+                continue
+            slots = plan.slots[assigned.made]
             keep = ~torch.isin(plan.load_slots, slots)
             plans[index] = dataclasses.replace(
                 plan, load_ids=plan.load_ids[keep], load_slots=plan.load_slots[keep]
             )
-            shard.cache.mark_dirty(slots)
-            fills.append((shard, slots, ids))
+            if batch.train:
+                shard.cache.mark_dirty(slots)
+            fills.append((shard, slots, ids[assigned.made]))
         return plans, fills
 
     @staticmethod
@@ -499,7 +522,9 @@ class TieredTableGroup:
                 "stop_background_io() (the look-ahead pipeline does on error) before training on"
             )
 
-    def prefetch(self, values: torch.Tensor, lengths_per_feature: list[int]) -> None:
+    def prefetch(
+        self, values: torch.Tensor, lengths_per_feature: list[int], train: bool = True
+    ) -> None:
         """Plans a batch that will run later and starts reading its missing rows in the
         background (cDLRM's look-ahead). Its rows stay resident until the batch has run; the
         forward that presents the same ids uses them without waiting for the tier.
@@ -509,8 +534,9 @@ class TieredTableGroup:
         thread (a bad one raises in the batch's forward); planning and I/O run on one worker
         thread, in submission order, so a row written back is always
         on the tier before it can be read again, and a batch that does not fit the cache
-        raises in its own forward."""
-        self._pending.append(self._plan_batch(values, lengths_per_feature))
+        raises in its own forward. ``train``: whether the batch will train (the module's mode
+        when it is prefetched; see :meth:`remap` when the forward's differs)."""
+        self._pending.append(self._plan_batch(values, lengths_per_feature, train))
 
     def remap(
         self, values: torch.Tensor, lengths_per_feature: list[int], train: bool
@@ -520,7 +546,9 @@ class TieredTableGroup:
 
         All ids are checked before anything moves, so a bad id leaves the tier untouched.
         The batch's rows stay held until the next batch is remapped, i.e. until its backward
-        has updated them."""
+        has updated them. A batch prefetched for evaluation that trains keeps the rows its
+        virtual tables' new ids were given (one prefetched for training that is evaluated
+        keeps them too: they are made)."""
         self._check_no_reported_error()
         self.absorb_view_writes()
         batch = self._take_prefetched(values, lengths_per_feature)
@@ -528,7 +556,7 @@ class TieredTableGroup:
         self._release_in_flight()
         if batch is None:
             self.io.count(unprefetched_batches=1)
-            batch = self._plan_batch(values, lengths_per_feature)
+            batch = self._plan_batch(values, lengths_per_feature, train)
         else:
             self.io.count(prefetched_batches=1)
         started = time.perf_counter()
@@ -551,6 +579,7 @@ class TieredTableGroup:
             with self._cache_lock:
                 for shard, plan in zip(self.shards, batch.plans):
                     shard.cache.mark_dirty(plan.slots)
+                self._keep_held_rows(batch)
             if self._changed is not None:
                 for changed, ids in zip(self._changed, batch.table_ids):
                     changed[ids] = True
@@ -590,6 +619,20 @@ class TieredTableGroup:
         with self._cache_lock:  # (a batch whose planning failed holds nothing)
             for shard, plan in zip(self.shards, batch.plans):
                 shard.cache.release(plan.slots)
+            for index, rows in batch.held_rows:
+                virtual = self.shards[index].virtual
+                assert virtual is not None
+                virtual.release(rows)
+            batch.held_rows = []
+
+    def _keep_held_rows(self, batch: _PlannedBatch) -> None:
+        """A batch planned for evaluation trains: the provisional rows it holds become rows of
+        their own (their slots are marked dirty by the caller). Called with the cache lock."""
+        for index, rows in batch.held_rows:
+            virtual = self.shards[index].virtual
+            assert virtual is not None
+            virtual.keep(rows)
+        batch.held_rows = []
 
     def _release_in_flight(self) -> None:
         if self._in_flight is not None:

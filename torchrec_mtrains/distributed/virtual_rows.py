@@ -8,6 +8,13 @@ ids become store rows, after an eviction round when one is due (see
 tier: the group writes its initial values (:meth:`initial_rows`) straight into its cache slot,
 marked dirty, so it reaches the tier when the cache writes it back. An evicted id's row keeps
 whatever the cache or the tier held until a new id takes it and is filled the same way.
+
+An evaluated batch (planned while the module is not training) changes nothing a checkpoint or
+an eviction round sees, as fbgemm's SSD embedding kernels write nothing to their table in
+evaluation: its ids' statistics stay, it counts for no trigger, and an id it looks up that has
+no row gets a *provisional* one (its initial values, in the cache only) that the table takes
+back when the last batch holding it is released, unless a training batch trained it first. A
+round runs for an evaluated batch only when its new ids do not fit the free rows otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from torchrec_mtrains.distributed.virtual_tables import OPTION, VirtualShard
 from torchrec_mtrains.tiers.base import RowStore
 
 I64 = npt.NDArray[np.int64]
+
+_NO_POSITIONS = torch.empty(0, dtype=torch.int64)
 
 PROTECTED_BATCHES = 5
 """An eviction round spares the rows of the batch being planned and of the batches planned
@@ -60,6 +69,23 @@ class ShardChanges:
         return np.unique(np.concatenate(self.evicted))
 
 
+@dataclass(frozen=True)
+class AssignedRows:
+    """What :meth:`VirtualRows.assign` did with a batch's unique ids: ``rows``, the store row
+    of each; ``made``, the positions of ids given a row now (the caller fills them with their
+    initial values); ``kept``, positions of ids an evaluated batch gave a provisional row that
+    this training batch trains (filled already: the tier must get them); ``held``, the
+    provisional rows this evaluated batch holds until it is released (:meth:`VirtualRows.release`)."""
+
+    rows: torch.Tensor
+    made: torch.Tensor
+    kept: torch.Tensor
+    held: I64
+    train: bool
+    # (for unassign) how many batches held each kept row
+    kept_holds: tuple[int, ...] = ()
+
+
 @dataclass
 class VirtualRows:
     """Live ids, new rows and evictions of one virtual table shard.
@@ -81,6 +107,9 @@ class VirtualRows:
     changes: ShardChanges | None = field(default=None, repr=False)
     # while a checkpoint of the changes is taken: the store rows it holds (see saving_changes)
     saving: I64 | None = field(default=None, repr=False)
+    # store rows evaluated batches gave ids not trained, and how many unreleased batches hold
+    # each (see assign and release); touched under the group's cache lock only
+    provisional: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.id_map = VirtualRowMap(self.name, self.space.capacity)
@@ -110,6 +139,11 @@ class VirtualRows:
             self.changes.touched[rows] = True
             if replaced_ids.size:
                 self.changes.evicted.append(replaced_ids.copy())
+        # Loaded rows are rows of their own now; rows whose ids the load dropped are free.
+        for row in rows.tolist():
+            self.provisional.pop(row, None)
+        for row in [r for r in self.provisional if self.id_map.row_ids[r] == EMPTY]:
+            del self.provisional[row]
 
     def changed_live_rows(self, trained: torch.Tensor | None) -> I64:
         """The store rows of live ids that changed since the changes were cleared: rows
@@ -119,7 +153,33 @@ class VirtualRows:
         if trained is not None:
             changed |= trained.numpy()
         changed &= self.id_map.row_ids != EMPTY
+        changed[self._provisional_rows()] = False
         return np.flatnonzero(changed).astype(np.int64)
+
+    # ------------------------------------------------------------------------ live rows
+
+    def _provisional_rows(self) -> I64:
+        return np.fromiter(self.provisional, dtype=np.int64, count=len(self.provisional))
+
+    def live(self) -> tuple[I64, I64]:
+        """Every live id (shard-local) and its store row, in row order: the rows a checkpoint
+        holds (an evaluated batch's provisional rows are not live)."""
+        ids, rows = self.id_map.live()
+        if self.provisional:
+            keep = ~np.isin(rows, self._provisional_rows())
+            ids, rows = ids[keep], rows[keep]
+        return ids, rows
+
+    def live_rows_of(self, ids: I64) -> I64:
+        """The store row of each shard-local id, ``NO_ROW`` where it is not live (provisional
+        rows are not)."""
+        rows = self.id_map.lookup(ids)
+        if self.provisional:
+            rows[np.isin(rows, self._provisional_rows())] = NO_ROW
+        return rows
+
+    def live_count(self) -> int:
+        return len(self.id_map) - len(self.provisional)
 
     def record_evictions(self) -> None:
         """Keeps every round's evicted ids in :attr:`history` from now on (tests, tools)."""
@@ -133,33 +193,99 @@ class VirtualRows:
         store: RowStore,
         weight_slots: torch.Tensor,
         batch: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        train: bool = True,
+    ) -> AssignedRows:
         """The store rows of a batch's unique ``ids`` (shard-local ids), giving new ids free
-        rows, after an eviction round when one is due. Returns the rows and the positions in
-        ``ids`` of the new ones. Refuses, with nothing assigned, a batch whose new ids do not
-        fit even after the round."""
+        rows, after an eviction round when one is due; provisional ones when the batch is
+        evaluated (``train`` false, see the module doc). Refuses, with nothing assigned, a
+        batch whose new ids do not fit even after the round."""
         ids_np = ids.numpy()
         rows = self.id_map.lookup(ids_np)
         known = rows != NO_ROW
         new = int((~known).sum())
-        self.eviction.batches += 1
-        if self.eviction.due(len(self.id_map), new, self.space.capacity):
+        live = len(self.id_map)
+        if train:
+            self.eviction.batches += 1
+            due = self.eviction.due(live, new, self.space.capacity)
+        else:  # only to make room
+            due = self.eviction.rule.evicts and live + new > self.space.capacity
+        if due:
             keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
             self._evict_round(keep, cache, store, weight_slots, batch)
         # (a round spares the batch's ids: their lookup still holds)
         assigned, made = self.id_map.assign(ids_np, OPTION, rows)
+        provisional = self.provisional
+        if not train:
+            held_known = [r for r in assigned[known].tolist() if r in provisional]
+            for row in held_known:
+                provisional[row] += 1
+            for row in assigned[made].tolist():
+                provisional[row] = 1
+            held = np.concatenate([assigned[made], np.asarray(held_known, dtype=np.int64)])
+            return AssignedRows(
+                torch.from_numpy(assigned), torch.from_numpy(made), _NO_POSITIONS, held, False
+            )
+        kept = np.empty(0, dtype=np.int64)
+        if provisional:
+            kept = np.flatnonzero(known & np.isin(assigned, self._provisional_rows()))
+        kept_holds = tuple(provisional.pop(row) for row in assigned[kept].tolist())
         if self.changes is not None:
             self.changes.touched[assigned] = True
-        self.eviction.touch(assigned[known])
-        if made.size:
-            self.eviction.made(assigned[made])
-            self.rows_made += int(made.size)
-        return torch.from_numpy(assigned), torch.from_numpy(made)
+        fresh = np.zeros(len(assigned), dtype=np.bool_)
+        fresh[made] = True
+        fresh[kept] = True
+        self.eviction.touch(assigned[~fresh])
+        if fresh.any():
+            self.eviction.made(assigned[fresh])
+            self.rows_made += int(fresh.sum())
+        return AssignedRows(
+            torch.from_numpy(assigned),
+            torch.from_numpy(made),
+            torch.from_numpy(kept),
+            np.empty(0, dtype=np.int64),
+            True,
+            kept_holds,
+        )
 
-    def unassign(self, ids: torch.Tensor) -> None:
-        """Takes back the rows :meth:`assign` just gave ``ids`` (a batch refused later)."""
-        self.id_map.remove(ids.numpy())
-        self.rows_made -= int(ids.numel())
+    def unassign(self, ids: torch.Tensor, assigned: AssignedRows) -> None:
+        """Takes back what :meth:`assign` just did for a batch's unique ``ids`` (the batch was
+        refused later): the rows it made, the provisional rows it held or trained."""
+        made_rows = assigned.rows[assigned.made].numpy()
+        for row in made_rows.tolist():
+            self.provisional.pop(row, None)
+        self.id_map.remove(ids[assigned.made].numpy())
+        if not assigned.train:  # the rows it made are gone already
+            self.release(assigned.held[~np.isin(assigned.held, made_rows)])
+            return
+        kept_rows = assigned.rows[assigned.kept].tolist()
+        self.provisional.update(zip(kept_rows, assigned.kept_holds))
+        self.rows_made -= len(made_rows) + len(kept_rows)
+
+    def keep(self, held: I64) -> None:
+        """A batch planned for evaluation trains after all: the provisional rows it ``held``
+        become rows of their own, as if it had made them."""
+        rows = np.asarray([r for r in held.tolist() if self.provisional.pop(r, None)], np.int64)
+        if rows.size:
+            if self.changes is not None:
+                self.changes.touched[rows] = True
+            self.eviction.made(rows)
+            self.rows_made += int(rows.size)
+
+    def release(self, held: I64) -> None:
+        """An evaluated batch is done with the provisional rows it ``held``: those no other
+        batch holds (and no training batch trained since) go back to the free rows."""
+        gone = []
+        for row in held.tolist():
+            holds = self.provisional.get(row)
+            if holds is None:  # trained since
+                continue
+            if holds > 1:
+                self.provisional[row] = holds - 1
+            else:
+                del self.provisional[row]
+                gone.append(row)
+        if gone:
+            self.id_map.remove(self.id_map.row_ids[np.asarray(gone, dtype=np.int64)])
 
     def _evict_round(
         self,
@@ -225,7 +351,7 @@ class VirtualRows:
 
     def stats(self) -> dict[str, float]:
         return {
-            "live_rows": float(len(self.id_map)),
+            "live_rows": float(self.live_count()),
             "max_live_rows": float(self.space.capacity),
             "rows_made": float(self.rows_made),
             "rows_evicted": float(self.eviction.evicted),

@@ -52,6 +52,7 @@ from torchrec_mtrains._compat.torch_internals import (
     init_from_local_shards,
     remote_device,
 )
+from torchrec_mtrains.cache.id_map import NO_ROW
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.types import Tier
 
@@ -138,7 +139,7 @@ def read_live_rows(shard: TieredTableShard, weights: bool = True, states: bool =
     virtual = shard.virtual
     assert virtual is not None
     if virtual.saving is None:
-        local_ids, rows = virtual.id_map.live()
+        local_ids, rows = virtual.live()
     else:  # an incremental checkpoint: the rows that changed (see virtual_checkpoints)
         rows = virtual.saving
         local_ids = virtual.id_map.row_ids[rows]
@@ -262,7 +263,7 @@ def evicted_since(shard: TieredTableShard) -> torch.Tensor:
     virtual = shard.virtual
     assert virtual is not None and virtual.changes is not None
     gone = virtual.changes.evicted_ids()
-    gone = gone[virtual.id_map.lookup(gone) == -1]
+    gone = gone[virtual.live_rows_of(gone) == NO_ROW]
     return torch.from_numpy(gone + virtual.space.id_offset).reshape(-1, 1)
 
 
@@ -279,7 +280,7 @@ def since_parent(shard: TieredTableShard) -> torch.Tensor:
         virtual.space.ids,
         eviction.rounds - changes.rounds_before,
         eviction.batches - changes.batches_before,
-        len(virtual.id_map),
+        virtual.live_count(),
     ]
     return torch.tensor([values], dtype=torch.int64)
 
