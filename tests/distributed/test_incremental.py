@@ -37,7 +37,7 @@ from torchrec_mtrains.distributed.incremental import (
     track_changes,
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
-from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.pipeline import tiered_groups
 from torchrec_mtrains.tiers.log_block_scm import LogBlockSCMStore
 
 ROWS = 3000

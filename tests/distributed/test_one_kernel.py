@@ -25,7 +25,7 @@ from torchrec_mtrains.distributed import (
     TierStorage,
 )
 from torchrec_mtrains.distributed.kernel import TieredEmbeddingBag
-from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.pipeline import tiered_groups
 
 PLACEMENT = {
     "big": TieredTableOptions(tier="block_scm", cache_load_factor=0.1, cache_policy="lru"),

@@ -19,7 +19,7 @@ import torch
 
 from tests.parity.cases import SweepCase, TableDraw
 from tests.parity.sweep import Outcome, build, run_case, set_weights, train, write_state
-from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.pipeline import tiered_groups
 from torchrec_mtrains.tiers import FileHeader
 from torchrec_mtrains.tiers.base import HEADER_BYTES
 

@@ -319,9 +319,10 @@ def test_live_rows_of_a_table_off_host_memory_map_files_and_round_trip_through_d
         assert torch.equal(a, b)
 
 
-def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> None:
-    """Spawned: saves a trained row-wise virtual table with dcp at world 2, or loads the
-    checkpoint at world 1 and checks every saved id came back."""
+def _save_and_load(rank: int, world: int, port: int, path: str, root: str, save: bool) -> None:
+    """Spawned: saves a trained virtual table with dcp (row-wise at world 2, table-wise at 1),
+    or loads the checkpoint into a new model and checks that each rank got the saved ids of
+    its shard and, at world 2, read only those rows."""
     from datetime import timedelta
 
     import torch.distributed.checkpoint as dcp
@@ -334,9 +335,9 @@ def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> No
     with process_group(
         backend="gloo", rank=rank, world_size=world, port=port, timeout=timedelta(seconds=60)
     ):
-        model = build_model(case, world, Path(root) / f"w{world}r{rank}")
+        model = build_model(case, world, Path(root) / f"{save}w{world}r{rank}")
         key = "embedding_bags.t_virtual"
-        if world == 2:
+        if save:
             for step in range(6):
                 _, virt = batch(case, rank, step)
                 outputs(case, model(virt)).square().sum().backward()
@@ -347,19 +348,32 @@ def _save_and_load(rank: int, world: int, port: int, path: str, root: str) -> No
             (rows,) = state["model"][f"{key}.weight"].local_shards()
             torch.save(rows.tensor, os.path.join(path, f"rows{rank}.pt"))
             return
+        saved_ids = torch.cat(
+            [torch.load(os.path.join(path, f)) for f in sorted(os.listdir(path)) if "ids" in f]
+        ).flatten()
+        saved_rows = torch.cat(
+            [torch.load(os.path.join(path, f)) for f in sorted(os.listdir(path)) if "rows" in f]
+        )
+        (space,) = [v.space for v in virtual_shards(model)]
+        mine = (saved_ids >= space.id_offset) & (saved_ids < space.id_offset + space.ids)
+        assert 0 < int(mine.sum()) < len(saved_ids) or world == 1
         state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-        assert expand_for_load(state, FileSystemReader(path).read_metadata()) >= 4
+        metadata = FileSystemReader(path).read_metadata()
+        assert expand_for_load(state, metadata, path, model) >= 4
+        read = state["model"][f"{key}.weight"]
+        if world == 2:  # this rank's rows only
+            assert [s.tensor.shape[0] for s in read.local_shards()] == [int(mine.sum())]
+        else:
+            assert read.shape[0] == len(saved_ids)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         model.fused_optimizer.load_state_dict(state["optim"])
         again = model.state_dict()
         ids = again[f"{key}.weight_id"].local_shards()[0].tensor.flatten()
         rows = again[f"{key}.weight"].local_shards()[0].tensor
-        saved_ids = torch.cat([torch.load(os.path.join(path, f"ids{r}.pt")) for r in (0, 1)])
-        saved_rows = torch.cat([torch.load(os.path.join(path, f"rows{r}.pt")) for r in (0, 1)])
-        assert torch.equal(ids, saved_ids.flatten().sort()[0])
-        order = saved_ids.flatten().argsort()
-        assert torch.equal(rows, saved_rows[order])
+        order = saved_ids[mine].argsort()
+        assert torch.equal(ids, saved_ids[mine][order])
+        assert torch.equal(rows, saved_rows[mine][order])
 
 
 @needs_bucketed_row_wise
@@ -369,8 +383,21 @@ def test_a_dcp_checkpoint_of_two_ranks_loads_on_one(tmp_path: Path) -> None:
     from torchrec_mtrains.distributed.runtime import free_port
 
     path, root = str(tmp_path / "ckpt"), str(tmp_path / "tiers")
-    mp.spawn(_save_and_load, args=(2, free_port(), path, root), nprocs=2, join=True)
-    mp.spawn(_save_and_load, args=(1, free_port(), path, root), nprocs=1, join=True)
+    mp.spawn(_save_and_load, args=(2, free_port(), path, root, True), nprocs=2, join=True)
+    mp.spawn(_save_and_load, args=(1, free_port(), path, root, False), nprocs=1, join=True)
+
+
+@needs_bucketed_row_wise
+def test_a_dcp_checkpoint_loads_into_a_new_model_each_rank_reading_its_own_rows(
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+
+    from torchrec_mtrains.distributed.runtime import free_port
+
+    path, root = str(tmp_path / "ckpt"), str(tmp_path / "tiers")
+    mp.spawn(_save_and_load, args=(2, free_port(), path, root, True), nprocs=2, join=True)
+    mp.spawn(_save_and_load, args=(2, free_port(), path, root, False), nprocs=2, join=True)
 
 
 # ----------------------------------------------------------------------------- planning

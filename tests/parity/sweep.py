@@ -93,8 +93,7 @@ from torchrec_mtrains.distributed.incremental import (
     track_changes,
 )
 from torchrec_mtrains.distributed.runtime import free_port, process_group
-from torchrec_mtrains.pipeline import LookaheadTrainPipeline
-from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tiered_groups
 
 CPU = torch.device("cpu")
 LEARNING_RATE = 0.05

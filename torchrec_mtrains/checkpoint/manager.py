@@ -59,8 +59,12 @@ from torchrec_mtrains.distributed.incremental import (
     load_tier_checkpoint,
     track_changes,
 )
-from torchrec_mtrains.distributed.virtual_checkpoints import ChainLoad, saving_changes
-from torchrec_mtrains.pipeline.stats import tiered_groups
+from torchrec_mtrains.distributed.tiered_tables import tiered_groups
+from torchrec_mtrains.distributed.virtual_checkpoints import (
+    ChainLoad,
+    saving_changes,
+    virtual_spans,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ class CheckpointManager:
         # and the ids of this rank's shard: the rows a restore reads
         virtual = [s.virtual for g in self._groups for s in g.shards if s.virtual is not None]
         self._rules = {v.name: v.space.spec.eviction for v in virtual}
-        self._spans = {v.name: (v.space.id_offset, v.space.ids) for v in virtual}
+        self._spans = virtual_spans(self._groups)
         self._last: Link | None = None
         if self.options.full_every > 1:
             track_changes(self._groups)  # incremental links hold only the rows training changed

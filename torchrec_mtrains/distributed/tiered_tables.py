@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch import nn
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains._compat.torch_internals import tensor_version
@@ -1067,3 +1068,14 @@ def _offsets(table: ShardedEmbeddingTable) -> tuple[int, int]:
         return 0, 0
     offsets = [*list(md.shard_offsets), 0, 0]
     return int(offsets[0]), int(offsets[1])
+
+
+def tiered_groups(model: nn.Module) -> list[TieredTableGroup]:
+    """Every tiered kernel's table group in ``model`` on this rank (TorchRec hides the lookups
+    from ``named_modules()``, so the tiered sharded modules list them)."""
+    out: list[TieredTableGroup] = []
+    for module in model.modules():
+        groups = getattr(module, "tiered_groups", None)
+        if callable(groups):
+            out.extend(groups())
+    return out

@@ -4,7 +4,8 @@ incremental ones that hold only what changed since the link before.
 A virtual table's state-dict entries are its live rows with their ids (see
 :mod:`.virtual_state`), a number that changes between a save and a load, so dcp cannot load
 them into the tensors a model hands out: :func:`expand_for_load` replaces them by tensors of
-the saved sizes, which every rank reads whole and ``load_state_dict`` filters to its shards.
+the saved sizes, of which each rank reads the rows of its own ids (or, without the model,
+every row) and ``load_state_dict`` keeps those of its shards.
 
 An incremental link (a state dict taken within :func:`saving_changes`) holds of each virtual
 table, per shard:
@@ -28,18 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from torchrec_mtrains._compat.torch_internals import ShardedTensor
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, tiered_groups
 from torchrec_mtrains.distributed.virtual_eviction import EvictionRule
 from torchrec_mtrains.distributed.virtual_state import (
     BUCKET_KEY,
@@ -133,25 +135,34 @@ def virtual_entries(state: Mapping[str, Any], path: str = "") -> list[VirtualEnt
     return out
 
 
-def expand_for_load(state: dict[str, Any], metadata: Any) -> int:
+def expand_for_load(
+    state: dict[str, Any],
+    metadata: Any,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    model: nn.Module | None = None,
+) -> int:
     """Readies ``state`` (a state dict about to be loaded by ``torch.distributed.checkpoint``,
     nested as it was saved) for a checkpoint whose ``metadata`` (``Metadata``, from
     ``FileSystemReader(path).read_metadata()``) holds virtual tables: each of their entries
-    becomes a whole tensor of its saved size (added where the checkpoint holds one the state
-    lacks, dropped where it holds none), so each rank reads every saved row and
-    ``load_state_dict`` keeps those of its shards, whatever world size saved them. Returns how
-    many entries it replaced or added.
+    becomes a tensor of its saved size (added where the checkpoint holds one the state lacks,
+    dropped where it holds none), so that ``load_state_dict`` keeps the rows of each rank's
+    shards, whatever world size saved them. Returns how many entries it replaced or added.
+
+    Given the checkpoint's ``checkpoint_id`` and the ``model`` (whose shards say which ids each
+    rank holds), each rank of a world larger than one reads only the rows of its own ids (it
+    first reads the saved ids, stored in id order); otherwise every rank reads every saved row.
 
     Example::
 
         state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
-        expand_for_load(state, FileSystemReader(path).read_metadata())
+        expand_for_load(state, FileSystemReader(path).read_metadata(), path, model)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         model.fused_optimizer.load_state_dict(state["optim"])
     """
     replaced = 0
-    for entries in virtual_entries(state):
+    entries_of = virtual_entries(state)
+    for entries in entries_of:
         saved = entries.saved_keys(metadata)
         for key in entries.entry_keys():
             if key not in saved:
@@ -162,7 +173,54 @@ def expand_for_load(state: dict[str, Any], metadata: Any) -> int:
                 continue
             entries.node[key] = torch.empty(tuple(size), dtype=entry.properties.dtype)
             replaced += 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if checkpoint_id is not None and model is not None and world > 1:
+        spans = virtual_spans(tiered_groups(model))
+        for entries in entries_of:
+            span = spans.get(entries.table, (0, 0))
+            _read_own_rows(entries, span, str(checkpoint_id), metadata)
     return replaced
+
+
+def virtual_spans(groups: Iterable[TieredTableGroup]) -> dict[str, tuple[int, int]]:
+    """``(first id, ids)`` of this rank's shard of each virtual table in ``groups``, by table:
+    the ids whose rows a load on this rank reads."""
+    return {
+        s.virtual.name: (s.virtual.space.id_offset, s.virtual.space.ids)
+        for g in groups
+        for s in g.shards
+        if s.virtual is not None
+    }
+
+
+def _read_own_rows(
+    entries: VirtualEntries, span: tuple[int, int], checkpoint: str, metadata: Any
+) -> None:
+    """Makes a table's row entries (sized by :func:`expand_for_load`) read only the rows of
+    the ids ``span`` (``(first id, ids)``) holds, found by the checkpoint's ids, which are
+    stored in id order (a checkpoint whose ids are not is read whole)."""
+    saved = entries.saved_keys(metadata)
+    id_key = f"{entries.prefix}.{ID_KEY}"
+    if id_key not in saved:
+        return
+    rows = int(saved[id_key].size[0])
+    if rows == 0:
+        return
+    if span[1] == 0:  # a table this rank holds no shard of: none of its rows
+        lo = hi = 0
+    else:
+        fqn = f"{entries.path}.{id_key}" if entries.path else id_key
+        ids = torch.empty(rows, 1, dtype=torch.int64)
+        dcp_load({fqn: ids}, checkpoint_id=checkpoint, no_dist=True)  # this rank alone
+        flat = ids.reshape(-1)
+        if rows > 1 and not bool((flat[1:] > flat[:-1]).all()):
+            return  # not in id order (not written here): every row is read
+        lo = int(torch.searchsorted(flat, span[0]))
+        hi = int(torch.searchsorted(flat, span[0] + span[1]))
+    for key, entry in saved.items():
+        if key[len(entries.prefix) + 1 :] in NOT_ROWS or int(entry.size[0]) != rows:
+            continue
+        entries.node[key] = _row_block(tuple(entry.size), entry.properties.dtype, lo, hi)
 
 
 class IncrementError(ValueError):
@@ -314,34 +372,9 @@ class ChainLoad:
         expand_for_load(self.state, metadata)
         if self.spans is not None:
             for entries in self.entries:
-                self._read_own_rows(entries, str(checkpoint), metadata)
-
-    def _read_own_rows(self, entries: VirtualEntries, checkpoint: str, metadata: Any) -> None:
-        """Makes the table's row entries read only the rows of this rank's ids."""
-        span = self.span(entries.table)
-        assert span is not None
-        saved = entries.saved_keys(metadata)
-        id_key = f"{entries.prefix}.{ID_KEY}"
-        if id_key not in saved:
-            return
-        rows = int(saved[id_key].size[0])
-        if rows == 0:
-            return
-        if span[1] == 0:  # a table this rank holds no shard of: none of its rows
-            lo = hi = 0
-        else:
-            fqn = f"{entries.path}.{id_key}" if entries.path else id_key
-            ids = torch.empty(rows, 1, dtype=torch.int64)
-            dcp_load({fqn: ids}, checkpoint_id=checkpoint, no_dist=True)  # this rank alone
-            flat = ids.reshape(-1)
-            if rows > 1 and not bool((flat[1:] > flat[:-1]).all()):
-                return  # not in id order (not written here): every row is read
-            lo = int(torch.searchsorted(flat, span[0]))
-            hi = int(torch.searchsorted(flat, span[0] + span[1]))
-        for key, entry in saved.items():
-            if key[len(entries.prefix) + 1 :] in NOT_ROWS or int(entry.size[0]) != rows:
-                continue
-            entries.node[key] = _row_block(tuple(entry.size), entry.properties.dtype, lo, hi)
+                span = self.span(entries.table)
+                assert span is not None
+                _read_own_rows(entries, span, str(checkpoint), metadata)
 
     def span(self, table: str) -> tuple[int, int] | None:
         """The ids whose rows this rank reads of ``table`` (``None``: all of them)."""

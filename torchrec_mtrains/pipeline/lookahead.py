@@ -41,8 +41,8 @@ from torchrec.distributed.types import Awaitable
 
 from torchrec_mtrains._compat.pipeline import SparseDistInternals, torchrec_next_batch
 from torchrec_mtrains.distributed.id_bounds import HostBoundsCheck, IdBoundsCheck
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
-from torchrec_mtrains.pipeline.stats import StepStats, snapshot, tiered_groups
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, tiered_groups
+from torchrec_mtrains.pipeline.stats import StepStats, snapshot
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from torch import nn
 
 from torchrec_mtrains.distributed.tier_io import TierIOCounters
-from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup, tiered_groups
 
 
 @dataclass(frozen=True)
@@ -88,17 +88,6 @@ class StepStats:
         out["hit_rate"] = self.hit_rate
         out["stall_share"] = self.stall_share
         return out
-
-
-def tiered_groups(model: nn.Module) -> list[TieredTableGroup]:
-    """Every tiered kernel's table group in ``model`` on this rank (TorchRec hides the lookups
-    from ``named_modules()``, so the tiered sharded modules list them)."""
-    out: list[TieredTableGroup] = []
-    for module in model.modules():
-        groups = getattr(module, "tiered_groups", None)
-        if callable(groups):
-            out.extend(groups())
-    return out
 
 
 def tier_stats(model: nn.Module) -> dict[str, dict[str, float]]:
