@@ -220,3 +220,42 @@ def test_flush_in_chunks_writes_every_dirty_row(tmp_path: Path, monkeypatch: Any
     ids, slots = shard.cache.resident()
     on_tier = group.views.weight_view(0)[ids]
     assert torch.equal(on_tier, shard.weight_slots[slots].to(on_tier.dtype))
+
+
+@pytest.mark.parametrize("tier", ["byte_scm", "block_scm"])
+def test_the_training_thread_never_waits_for_the_workers_planning(
+    tmp_path: Path, tier: str
+) -> None:
+    """While the worker holds the cache lock (planning a later batch), a training step whose
+    rows were prefetched runs to its end: the release of the batch before it and the marks of
+    its own rows wait for the lock, not the step. Whoever takes the lock next carries them out
+    (a flush here), and training is bitwise the plain loop's."""
+    plain = build(tmp_path / "a", tier)
+    ahead = build(tmp_path / "b", tier)
+    copy_into(ahead, plain)
+    data = batches(seed=6, count=12)
+    for kjt in data:
+        step(plain, kjt)
+    group = tiered_group(ahead)
+    group.background_io = True
+    cache = group.shards[0].cache
+    for i, kjt in enumerate(data):
+        f = kernel_features(kjt)
+        group.prefetch(f.values(), f.length_per_key())
+        group.drain()  # its rows are in: the step needs nothing more from the worker
+        if i % 3 != 2:
+            step(ahead, kjt)
+            continue
+        held_before = int(cache.holds.sum())
+        group._cache_lock.acquire()  # the worker, planning a later batch
+        try:
+            done = futures.ThreadPoolExecutor(1).submit(step, ahead, kjt)
+            done.result(timeout=30)  # without waiting for the lock
+            assert len(group._deferred) == 2  # the release, then the marks
+            assert int(cache.holds.sum()) == held_before  # the release is still to come
+        finally:
+            group._cache_lock.release()
+        ahead.state_dict()  # its flush takes the lock: the deferred updates first
+        assert not group._deferred
+        assert int(cache.holds.sum()) < held_before  # only the step's own rows are held
+    assert_same(full_weights(plain), full_weights(ahead))

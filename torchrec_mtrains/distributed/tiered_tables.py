@@ -14,7 +14,9 @@ beside it (:mod:`.table_shard`, :mod:`.tier_io`, :mod:`.checkpoint_views`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -287,9 +289,13 @@ class TieredTableGroup:
         self._awaiting_backward = False
         self._hot_rows: dict[int, torch.Tensor] = {}
         self._repin = False
-        # Guards the caches' maps and holds: batches are planned on the I/O worker while the
-        # training thread releases and marks the running batch's slots.
+        # Guards the caches' maps, holds and dirty flags: batches are planned on the I/O worker
+        # while the training thread releases and marks the running batch's slots. Take it
+        # through _locked(), which first carries out what the training thread deferred.
         self._cache_lock = threading.Lock()
+        # The training thread's releases and marks, in order, deferred while the worker held
+        # the lock (see _defer): whoever takes the lock next carries them out first.
+        self._deferred: deque[Callable[[], None]] = deque()
         # Per shard, which rows a training batch made resident since the last
         # clear_changes() (None: not tracked). See track_changes().
         self._changed: list[torch.Tensor] | None = None
@@ -371,7 +377,7 @@ class TieredTableGroup:
         uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
         self._planned_batches += batch.train
         made: list[tuple[int, torch.Tensor, AssignedRows]] = []
-        with self._cache_lock:
+        with self._locked():
             # Virtual tables' ids become rows first; an eviction round reads which slots the
             # batches in flight hold, which the training thread releases under this lock.
             if any(shard.virtual is not None for shard in self.shards):
@@ -554,7 +560,7 @@ class TieredTableGroup:
         self.absorb_view_writes()
         batch = self._take_prefetched(values, lengths_per_feature)
         # The previous batch's backward is done: its rows may be evicted from here on.
-        self._release_in_flight()
+        self._release_in_flight(wait=False)
         if batch is None:
             self.io.count(unprefetched_batches=1)
             batch = self._plan_batch(values, lengths_per_feature, train)
@@ -577,10 +583,7 @@ class TieredTableGroup:
         self._in_flight = batch
         self._awaiting_backward = train
         if train:
-            with self._cache_lock:
-                for shard, plan in zip(self.shards, batch.plans):
-                    shard.cache.mark_dirty(plan.slots)
-                self._keep_held_rows(batch)
+            self._defer(functools.partial(self._mark_trained, batch))
             if self._changed is not None:
                 for changed, ids in zip(self._changed, batch.table_ids):
                     changed[ids] = True
@@ -617,14 +620,48 @@ class TieredTableGroup:
             batch.io.result()  # re-raises a worker exception with its traceback
 
     def _release(self, batch: _PlannedBatch) -> None:
-        with self._cache_lock:  # (a batch whose planning failed holds nothing)
-            for shard, plan in zip(self.shards, batch.plans):
-                shard.cache.release(plan.slots)
-            for index, rows in batch.held_rows:
-                virtual = self.shards[index].virtual
-                assert virtual is not None
-                virtual.release(rows)
-            batch.held_rows = []
+        with self._locked():
+            self._release_locked(batch)
+
+    def _release_locked(self, batch: _PlannedBatch, released: Any = None) -> None:
+        """Frees the batch's slots (a batch whose planning failed holds none) and provisional
+        rows; ``released``: the event after which its work on the device is done (CUDA)."""
+        if released is not None:
+            self._released = released
+        for shard, plan in zip(self.shards, batch.plans):
+            shard.cache.release(plan.slots)
+        for index, rows in batch.held_rows:
+            virtual = self.shards[index].virtual
+            assert virtual is not None
+            virtual.release(rows)
+        batch.held_rows = []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Holds the cache lock, having carried out what :meth:`_defer` left."""
+        with self._cache_lock:
+            while self._deferred:
+                self._deferred.popleft()()
+            yield
+
+    def _defer(self, update: Callable[[], None]) -> None:
+        """Carries out the training thread's ``update`` of the caches now if the lock is free,
+        else leaves it to whoever takes the lock next (the worker, before it plans a batch; a
+        flush; ...): the training thread never waits for the worker's planning. Whatever
+        reads the caches takes the lock first, so it sees every update deferred before."""
+        self._deferred.append(update)
+        if self._cache_lock.acquire(blocking=False):
+            try:
+                while self._deferred:
+                    self._deferred.popleft()()
+            finally:
+                self._cache_lock.release()
+
+    def _mark_trained(self, batch: _PlannedBatch) -> None:
+        """The batch trains: its rows will differ from their tiers' (see :meth:`remap`)."""
+        for shard, plan in zip(self.shards, batch.plans):
+            shard.cache.mark_dirty(plan.slots)
+        self._keep_held_rows(batch)
 
     def _keep_held_rows(self, batch: _PlannedBatch) -> None:
         """A batch planned for evaluation trains: the provisional rows it holds become rows of
@@ -635,13 +672,18 @@ class TieredTableGroup:
             virtual.keep(rows)
         batch.held_rows = []
 
-    def _release_in_flight(self) -> None:
-        if self._in_flight is not None:
-            with self._cache_lock:
-                # Enqueued work of that batch (its backward) may still use the slots on the GPU.
-                self._released = self.io.copies.record()
-            self._release(self._in_flight)
-            self._in_flight = None
+    def _release_in_flight(self, wait: bool = True) -> None:
+        """Releases the batch that ran last; without ``wait``, deferred (see :meth:`_defer`)."""
+        if self._in_flight is None:
+            return
+        batch, self._in_flight = self._in_flight, None
+        # Enqueued work of that batch (its backward) may still use the slots on the GPU.
+        release = functools.partial(self._release_locked, batch, self.io.copies.record())
+        if wait:
+            with self._locked():
+                release()
+        else:
+            self._defer(release)
 
     def io_counters(self) -> TierIOCounters:
         """A snapshot of the group's I/O counters (see :class:`TierIOCounters`)."""
@@ -711,7 +753,7 @@ class TieredTableGroup:
     def apply(self, shard: TieredTableShard, plan: CachePlan) -> None:
         """Carries out ``plan``: writes dirty victims back, then reads the missing rows in;
         returns once the rows are in the cache."""
-        with self._cache_lock:
+        with self._locked():
             after = self._released
         self.io.copies.synchronize(self.io.move_rows([(shard, plan)], after))
 
@@ -725,6 +767,8 @@ class TieredTableGroup:
         ``keep_in_flight_dirty`` is false), since the backward will still update them."""
         self.absorb_view_writes()
         self.drain()
+        with self._locked():  # the marks the training thread deferred
+            pass
         for i, shard in enumerate(self.shards):
             ids, slots = shard.cache.dirty_rows()
             # In chunks: a copy of every dirty row at once could be as large as the cache, and
@@ -809,6 +853,8 @@ class TieredTableGroup:
         self.drain()  # queued moves finish first: nothing writes a tier meanwhile
         for batch in self._pending:  # (on CUDA: their rows' copies into the cache too)
             self.io.copies.wait(batch.rows_ready)
+        with self._locked():  # the marks the training thread deferred
+            pass
         for index, parts in written:
             shard = self.shards[index]
             stale = self.views.store_writes(index, parts)
@@ -876,7 +922,7 @@ class TieredTableGroup:
         self.drain()
         for batch in self._pending:
             self.io.copies.wait(batch.rows_ready)
-        with self._cache_lock:
+        with self._locked():
             return ids, shard.cache.lookup(ids).to(HOST)
 
     def _targets(self, shard: TieredTableShard) -> list[tuple[slice, torch.Tensor]]:
@@ -942,7 +988,7 @@ class TieredTableGroup:
             for _, tensor, new in values:
                 part = new[where.to(new.device)] if new.dim() else new
                 tensor[dev_slots] = part.to(self.device, tensor.dtype)
-            with self._cache_lock:
+            with self._locked():
                 shard.cache.mark_dirty(slots[cached].to(shard.cache.device))
         if not bool(cached.all()):
             where = torch.nonzero(~cached).flatten()
@@ -1029,14 +1075,14 @@ class TieredTableGroup:
         """Loads ``ids`` and pins them: on this thread when ``inline`` (the worker itself, or no
         background I/O), else on the worker, after the I/O queued before it."""
         shard = self.shards[index]
-        with self._cache_lock:
+        with self._locked():
             shard.cache.check_fits(ids)
             plan = shard.cache.plan(ids, count_stats=False)
         if inline or not self.io.background:
             self.apply(shard, plan)
         else:
             self.io.submit(self.apply, shard, plan).result()
-        with self._cache_lock:
+        with self._locked():
             shard.cache.pin(plan.slots)
 
     def close(self) -> None:
