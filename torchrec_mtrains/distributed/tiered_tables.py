@@ -640,9 +640,17 @@ class TieredTableGroup:
     def _locked(self) -> Iterator[None]:
         """Holds the cache lock, having carried out what :meth:`_defer` left."""
         with self._cache_lock:
-            while self._deferred:
-                self._deferred.popleft()()
+            self._run_deferred()
             yield
+
+    def _run_deferred(self) -> None:
+        while self._deferred:  # (with the cache lock held)
+            self._deferred.popleft()()
+
+    def _catch_up(self) -> None:
+        """Carries out every deferred update: before the caches are read without the lock."""
+        with self._locked():
+            pass
 
     def _defer(self, update: Callable[[], None]) -> None:
         """Carries out the training thread's ``update`` of the caches now if the lock is free,
@@ -652,8 +660,7 @@ class TieredTableGroup:
         self._deferred.append(update)
         if self._cache_lock.acquire(blocking=False):
             try:
-                while self._deferred:
-                    self._deferred.popleft()()
+                self._run_deferred()
             finally:
                 self._cache_lock.release()
 
@@ -767,8 +774,7 @@ class TieredTableGroup:
         ``keep_in_flight_dirty`` is false), since the backward will still update them."""
         self.absorb_view_writes()
         self.drain()
-        with self._locked():  # the marks the training thread deferred
-            pass
+        self._catch_up()  # the marks the training thread deferred
         for i, shard in enumerate(self.shards):
             ids, slots = shard.cache.dirty_rows()
             # In chunks: a copy of every dirty row at once could be as large as the cache, and
@@ -853,8 +859,7 @@ class TieredTableGroup:
         self.drain()  # queued moves finish first: nothing writes a tier meanwhile
         for batch in self._pending:  # (on CUDA: their rows' copies into the cache too)
             self.io.copies.wait(batch.rows_ready)
-        with self._locked():  # the marks the training thread deferred
-            pass
+        self._catch_up()  # the marks the training thread deferred
         for index, parts in written:
             shard = self.shards[index]
             stale = self.views.store_writes(index, parts)
