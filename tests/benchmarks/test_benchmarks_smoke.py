@@ -357,7 +357,8 @@ def test_w3_smoke(tmp_path: Path) -> None:
     out = tmp_path / "w3.json"
     done = _run(
         "w3_bench.py",
-        *("--steps", "12", "--warmup", "2", "--batch-size", "256", "--vocab", "20000"),
+        # 22 batches of ~95 new ids a table: past the bound of 1,500 live rows
+        *("--steps", "12", "--warmup", "10", "--batch-size", "256", "--vocab", "20000"),
         *("--window-steps", "5"),
         *("--live-rows", "1500", "--hash-rows", "512", "--dim", "16", "--eval-batches", "2"),
         *("--cache-load-factor", "0.5"),

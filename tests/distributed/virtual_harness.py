@@ -425,18 +425,12 @@ def _evaluated(
 
 def _untrained_live(case: VirtualCase, world_size: int, shards: Sequence[VirtualRows]) -> int:
     """How many of this rank's live ids no rank's training batch brought."""
-    trained = torch.cat(
-        [
-            torch.cat([kjt["f0"].values(), kjt["f1"].values()])
-            for rank in range(world_size)
-            for step in range(case.steps)
-            for kjt in (batch(case, rank, step)[1],)
-        ]
-    ).numpy()
+    batches = [batch(case, r, step)[1] for r in range(world_size) for step in range(case.steps)]
+    trained = torch.cat([torch.cat([b["f0"].values(), b["f1"].values()]) for b in batches])
     untrained = 0
     for shard in shards:
         ids, _ = shard.live()
-        untrained += int((~np.isin(ids + shard.space.id_offset, trained)).sum())
+        untrained += int((~np.isin(ids + shard.space.id_offset, trained.numpy())).sum())
     return untrained
 
 
