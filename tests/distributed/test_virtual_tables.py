@@ -534,7 +534,9 @@ def _eval_batch(case: VirtualCase, step: int, unseen: bool) -> KeyedJaggedTensor
     )
 
 
-def _evaluate(model: DistributedModelParallel, case: VirtualCase, kjt: KeyedJaggedTensor) -> Any:
+def _evaluate(
+    model: DistributedModelParallel, case: VirtualCase, kjt: KeyedJaggedTensor
+) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         out = outputs(case, model(kjt))
