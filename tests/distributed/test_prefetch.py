@@ -83,15 +83,24 @@ def copy_into(dst: DistributedModelParallel, src: DistributedModelParallel) -> N
     dst.fused_optimizer.load_state_dict(src.fused_optimizer.state_dict())
 
 
+def trained_plainly(
+    tmp_path: Path, tier: str, seed: int, count: int
+) -> tuple[DistributedModelParallel, DistributedModelParallel, list[KeyedJaggedTensor]]:
+    """A model trained by the plain loop on ``count`` batches, an untrained copy of its
+    starting point (to train otherwise and compare), and the batches."""
+    plain = build(tmp_path / "a", tier)
+    other = build(tmp_path / "b", tier)
+    copy_into(other, plain)
+    data = batches(seed=seed, count=count)
+    for kjt in data:
+        step(plain, kjt)
+    return plain, other, data
+
+
 @pytest.mark.parametrize("tier", ["byte_scm", "block_scm"])
 @pytest.mark.parametrize("depth", [1, 3])
 def test_lookahead_is_bitwise_identical(tmp_path: Path, tier: str, depth: int) -> None:
-    plain = build(tmp_path / "a", tier)
-    ahead = build(tmp_path / "b", tier)
-    copy_into(ahead, plain)
-    data = batches(seed=5, count=30)
-    for kjt in data:
-        step(plain, kjt)
+    plain, ahead, data = trained_plainly(tmp_path, tier, seed=5, count=30)
     train_with_lookahead(ahead, data, depth)
     assert_same(full_weights(plain), full_weights(ahead))
     group = tiered_group(ahead)
@@ -230,12 +239,7 @@ def test_the_training_thread_never_waits_for_the_workers_planning(
     rows were prefetched runs to its end: the release of the batch before it and the marks of
     its own rows wait for the lock, not the step. Whoever takes the lock next carries them out
     (a flush here), and training is bitwise the plain loop's."""
-    plain = build(tmp_path / "a", tier)
-    ahead = build(tmp_path / "b", tier)
-    copy_into(ahead, plain)
-    data = batches(seed=6, count=12)
-    for kjt in data:
-        step(plain, kjt)
+    plain, ahead, data = trained_plainly(tmp_path, tier, seed=6, count=12)
     group = tiered_group(ahead)
     group.background_io = True
     cache = group.shards[0].cache

@@ -29,7 +29,7 @@ all of a row's columns; others go through the views.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,7 @@ from torchrec_mtrains.distributed.tier_state import (
     tier_regions,
     tiered_shards,
     track_changes,
+    walk_state,
 )
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
 
@@ -119,7 +120,8 @@ def _resident_regions(groups: Sequence[TieredTableGroup]) -> list[_ResidentRegio
 def _replace(
     state: Mapping[str, Any], replaced: Callable[[str, Any], bool], prefix: str = ""
 ) -> dict[str, Any]:
-    """``state`` without the leaves ``replaced(path, value)`` takes over."""
+    """``state`` without the leaves ``replaced(path, value)`` takes over (paths as
+    :func:`walk_state` names them)."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         path = f"{prefix}/{key}" if prefix else str(key)
@@ -128,16 +130,6 @@ def _replace(
         elif not replaced(path, value):
             out[key] = value
     return out
-
-
-def _leaves(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(path, value)`` of every leaf of ``state``, paths as :func:`_replace` names them."""
-    for key, value in state.items():
-        path = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            yield from _leaves(value, path)
-        else:
-            yield path, value
 
 
 def _union_over_ranks(paths: set[str], process_group: dist.ProcessGroup | None) -> set[str]:
@@ -349,7 +341,7 @@ def changed_state_dict(
     # there) where another saves its changed rows: then the table is saved whole everywhere.
     whole = {
         path
-        for path, value in _leaves(kept)
+        for path, value in walk_state(kept)
         if isinstance(value, ShardedTensor) and value.local_shards() and homes(value) is None
     }
     whole = _union_over_ranks(whole, process_group)
