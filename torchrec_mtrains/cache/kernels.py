@@ -74,39 +74,57 @@ def splitmix64_word(x: Any) -> Any:
 
 
 @_jit
-def _unlink(s: int, b: int, prev: I32, nxt: I32, head: I32, tail: I32) -> None:
-    p = prev[s]
-    n = nxt[s]
-    if p == NIL:
-        head[b] = n
-    else:
-        nxt[p] = n
-    if n == NIL:
-        tail[b] = p
-    else:
-        prev[n] = p
-
-
-@_jit
-def _link_ordered(s: int, b: int, last_use: I64, prev: I32, nxt: I32, head: I32, tail: I32) -> None:
-    """Inserts ``s`` into bucket ``b`` at its ``(last_use, slot)`` place, searching from the
-    tail: O(1) for the usual newest-step slots given in ascending order."""
-    key = last_use[s]
-    t = tail[b]
-    while t != NIL and (last_use[t] > key or (last_use[t] == key and t > s)):
-        t = prev[t]
-    if t == NIL:  # new head
-        n = head[b]
-        head[b] = s
-    else:
-        n = nxt[t]
-        nxt[t] = s
-    prev[s] = t
-    nxt[s] = n
-    if n == NIL:
-        tail[b] = s
-    else:
-        prev[n] = s
+def _requeue(
+    slots: I64,
+    buckets: I64,
+    step: int,
+    last_use: I64,
+    count: I64,
+    prev: I32,
+    nxt: I32,
+    head: I32,
+    tail: I32,
+) -> None:
+    """Moves each of ``slots`` (ascending, unique) out of its bucket's list (``count[s]``, or
+    0 when ``count`` is empty) into bucket ``buckets[i]`` (0 when ``count`` is empty) with
+    ``last_use = step``, at its ``(last_use, slot)`` place: found from the tail, which holds
+    it at once since every moved slot is the newest. One loop with the list operations written
+    out: a call per slot to a separately compiled helper increments and decrements the
+    reference count of every array it is passed (atomic operations; numba inlining keeps them),
+    which cost the cache's planning more than the moves themselves."""
+    counting = count.size > 0
+    for i in range(slots.size):
+        s = slots[i]
+        b = count[s] if counting else 0
+        p = prev[s]  # unlink s from bucket b
+        q = nxt[s]
+        if p == NIL:
+            head[b] = q
+        else:
+            nxt[p] = q
+        if q == NIL:
+            tail[b] = p
+        else:
+            prev[q] = p
+        last_use[s] = step
+        if counting:
+            b = buckets[i]
+            count[s] = b
+        t = tail[b]  # link s into bucket b after the last (last_use, slot) below its own
+        while t != NIL and (last_use[t] > step or (last_use[t] == step and t > s)):
+            t = prev[t]
+        if t == NIL:
+            q = head[b]
+            head[b] = s
+        else:
+            q = nxt[t]
+            nxt[t] = s
+        prev[s] = t
+        nxt[s] = q
+        if q == NIL:
+            tail[b] = s
+        else:
+            prev[q] = s
 
 
 @_jit
@@ -201,17 +219,11 @@ def touch(
     if uniq.size and (uniq[0] < 0 or uniq[-1] >= n):
         return BAD_INDEX, accesses
     counting = count.size > 0
-    for i in range(uniq.size):
-        s = uniq[i]
-        _unlink(s, count[s] if counting else 0, prev, nxt, head, tail)
-    for i in range(uniq.size):
-        s = uniq[i]
-        last_use[s] = step
-        b = 0
-        if counting:
-            b = 0 if insert else count[s] + 1
-            count[s] = b
-        _link_ordered(s, b, last_use, prev, nxt, head, tail)
+    buckets = np.zeros(uniq.size if counting else 0, np.int64)  # insert: count 0
+    if not insert:
+        for i in range(buckets.size):
+            buckets[i] = count[uniq[i]] + 1
+    _requeue(uniq, buckets, step, last_use, count, prev, nxt, head, tail)
     if counting and not insert:
         accesses += 1
         if accesses >= decay_interval:
@@ -367,20 +379,15 @@ def plan(
             dirty[s] = False
             mark[s] = True  # loaded: its count restarts
     # on_insert(load_slots) then on_access(slots), in one pass over the slots in ascending order.
-    uniq = np.sort(slots)
+    uniq = _sorted_unique(slots)  # (ids must be unique; a repeat must still not break the lists)
     counting = count.size > 0
-    for i in range(n):
+    buckets = np.empty(uniq.size if counting else 0, np.int64)
+    for i in range(uniq.size):
         s = uniq[i]
-        if i > 0 and s == uniq[i - 1]:
-            continue  # (ids must be unique; a repeat must still not break the lists)
-        b = count[s] if counting else 0
-        _unlink(s, b, prev, nxt, head, tail)
-        last_use[s] = step
         if counting:
-            b = 1 if mark[s] else b + 1
-            count[s] = b
+            buckets[i] = 1 if mark[s] else count[s] + 1
         mark[s] = False
-        _link_ordered(s, b, last_use, prev, nxt, head, tail)
+    _requeue(uniq, buckets, step, last_use, count, prev, nxt, head, tail)
     if counting:
         accesses += 1
         if accesses >= decay_interval:
