@@ -103,6 +103,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
+from torchrec_mtrains.benchmark.measure import thread_cpu_seconds
 from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
@@ -492,7 +493,15 @@ def run_side_by_side(
         )
     ours_batches = iter(as_batch(raw, 0) for raw in batches)
 
+    # CPU a step of the training thread and the tier worker, and ours' stall (its training
+    # thread blocked on rows): what bounds each variant in the timed windows.
+    cpu = {v: dict.fromkeys(("main", "tier_io"), 0.0) for v in VARIANTS}
+    stall = 0.0
+
     def train(variant: str, first: int, end: int) -> None:
+        nonlocal stall
+        cpu_before = thread_cpu_seconds()
+        stalled = pipeline.totals.stall_seconds if pipeline is not None else 0.0
         started = time.perf_counter()
         for i in range(first, end):
             if variant != "ours" or pipeline is None:
@@ -506,6 +515,11 @@ def run_side_by_side(
         took = time.perf_counter() - started
         seconds[variant] += took
         windows[variant].append((end - first) * args.batch_size / took)
+        cpu_after = thread_cpu_seconds()
+        for role in cpu[variant]:
+            cpu[variant][role] += cpu_after[role] - cpu_before[role]
+        if variant == "ours" and pipeline is not None:
+            stall += pipeline.totals.stall_seconds - stalled
 
     # The garbage collector's full passes walk every object alive, the prepared batches too,
     # more often the longer the run: both variants train with the objects of now frozen (the
@@ -530,7 +544,10 @@ def run_side_by_side(
             "eval_ne": ne,
             "eval_auc": auc,
             "train_loss_last_10pct": float(torch.stack(tail).mean()),
+            "cpu_ms_per_step": {r: 1e3 * c / args.steps for r, c in cpu[v].items()},
+            "step_ms": 1e3 * seconds[v] / args.steps,
         }
+    out["ours"]["stall_share"] = stall / seconds["ours"]
     for v in ("A''", "ours"):
         out[v]["window_ratios"] = [o / a for o, a in zip(windows[v], windows["A'"])]
     stats = tier_stats(models["ours"])
@@ -764,13 +781,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"(caches of {args.cache_load_factor:g} x the tables' rows, their slot state and maps; "
         "ours' id maps; the remapping tensors of A'')"
     )
-    print(f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9}")
+    print(
+        f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9} "
+        f"{'step ms':>8} {'training CPU':>13} {'worker CPU':>11}"
+    )
     for name in VARIANTS:
         r = result[name]
+        c = r["cpu_ms_per_step"]
         print(
             f"{name:8} {r['samples_per_s']:10,.0f} {r['samples_per_s'] / a['samples_per_s']:6.2f} "
-            f"{r['eval_ne']:8.4f} {r['eval_auc']:9.4f}"
+            f"{r['eval_ne']:8.4f} {r['eval_auc']:9.4f} {r['step_ms']:8.2f} "
+            f"{c['main']:10.2f} ms {c['tier_io']:8.2f} ms"
         )
+    print(
+        f"ours' training thread waited for rows {ours['stall_share']:.1%} of its steps; CPU a "
+        "step is the threads' own (a window's, over its steps; the worker's spills into the "
+        "next window of A' by at most the look-ahead's batches)"
+    )
     for name, t in ours["tables"].items():
         print(
             f"ours {name}: live {t['live_rows']:,.0f} (bound {args.live_rows:,}), made "

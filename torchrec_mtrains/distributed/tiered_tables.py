@@ -138,6 +138,15 @@ class _PlannedBatch:
     rows_ready: torch.cuda.Event | None = None
 
 
+def _unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(ids, return_inverse=True)`` (sorted) for a table's ids in host memory:
+    numpy's unique (a hash table, then a sort of the distinct ids) takes ~0.1 ms for W1's 8,192
+    ids of a table where torch's sorts (id, position) pairs in ~0.26 ms, once per table and
+    batch on the tier worker."""
+    uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+    return torch.from_numpy(uniq), torch.from_numpy(inverse.astype(np.int64, copy=False))
+
+
 def _same_ids(held: torch.Tensor, given: torch.Tensor) -> bool:
     """Whether ``given`` holds the ids of ``held``, a prefetched batch's (which keeps their
     memory alive): the same memory, as when the pipeline hands a forward the very tensors it
@@ -374,7 +383,7 @@ class TieredTableGroup:
             self._repin = False
             for index, ids in self._hot_rows.items():
                 self._pin(index, ids, inline=True)
-        uniques = [torch.unique(t, return_inverse=True) for t in batch.table_ids]
+        uniques = [_unique_with_inverse(t) for t in batch.table_ids]
         self._planned_batches += batch.train
         made: list[tuple[int, torch.Tensor, AssignedRows]] = []
         with self._locked():
