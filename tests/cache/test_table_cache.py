@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE
 from torchrec_mtrains.cache.table_cache import CacheTooSmallError, TableCache
+from torchrec_mtrains.planner.perf_model import SLOT_OVERHEAD_BYTES
 
 BACKENDS = [
     "torch",
@@ -92,3 +94,36 @@ def test_victims_follow_the_policy_order(policy: str, backend: str) -> None:
     assert plan.evict_ids.tolist() == ([13, 10] if policy == "lru" else [13, 12])
     assert plan.load_ids.tolist() == [20, 21]
     assert plan.load_slots.tolist() == cache.lookup(torch.tensor([20, 21])).tolist()
+
+
+def _array_bytes(obj: object, seen: set[int], depth: int = 0) -> int:
+    """Bytes of the tensors and numpy arrays reachable from ``obj``'s attributes, each buffer
+    once (a numpy view of a tensor shares its data pointer)."""
+    if isinstance(obj, torch.Tensor | np.ndarray):
+        if isinstance(obj, torch.Tensor):
+            ptr, nbytes = obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes()
+        else:
+            ptr, nbytes = obj.__array_interface__["data"][0], obj.nbytes
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return nbytes
+    if depth > 3:
+        return 0
+    children = obj if isinstance(obj, tuple | list) else getattr(obj, "__dict__", {}).values()
+    return sum(_array_bytes(c, seen, depth + 1) for c in children)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_planner_counts_every_byte_a_cache_slot_takes(policy: str, backend: str) -> None:
+    """The planner's per-slot bookkeeping (``SLOT_OVERHEAD_BYTES``) covers what a cache
+    allocates per slot with each built-in policy: its plan is the memory the run takes."""
+    sizes = {}
+    for slots in (1 << 12, 1 << 13):
+        cache = TableCache("t", num_rows=100, num_slots=slots, policy=policy, backend=backend)
+        cache.plan(torch.arange(50))
+        sizes[slots] = _array_bytes(cache, set())
+    per_slot = (sizes[1 << 13] - sizes[1 << 12]) / (1 << 12)
+    assert per_slot > 0
+    assert per_slot <= SLOT_OVERHEAD_BYTES, (policy, backend, per_slot)

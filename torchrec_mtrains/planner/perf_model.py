@@ -95,9 +95,11 @@ OUTPUT_BYTES = 4
 """Bytes per pooled output value and its gradient (fp32)."""
 ID_MAP_BYTES = 4
 """Host memory per row of a tiered shard for the cache's id -> slot map (int32)."""
-SLOT_OVERHEAD_BYTES = 32
-"""Cache-tier memory per cache slot besides the row: slot -> id, dirty / pinned / hold flags,
-the eviction policy's per-slot state."""
+SLOT_OVERHEAD_BYTES = 40
+"""Cache-tier memory per cache slot besides the row, with the most any built-in policy takes
+(LFU's, the default, on the compiled bookkeeping): slot -> id (8), hold count (4), dirty /
+pinned / reserved / scratch flags (4), last use (8), access count (8), the policy list's links
+(8). LRU has no count: 32."""
 
 
 def cache_bytes(cache_rows: int, row_bytes: int) -> int:
