@@ -794,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{c['main']:10.2f} ms {c['tier_io']:8.2f} ms"
         )
     print(
-        f"ours' training thread waited for rows {ours['stall_share']:.1%} of its steps; CPU a "
+        f"ours' training thread waited for rows {ours['stall_share']:.1%} of its time; CPU a "
         "step is the threads' own (a window's, over its steps; the worker's spills into the "
         "next window of A' by at most the look-ahead's batches)"
     )
