@@ -60,6 +60,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from numpy.lib.stride_tricks import sliding_window_view
 
 from torchrec_mtrains.tiers._blockio import (
     AlignedBuffer,
@@ -101,7 +102,6 @@ _MIN_SEGMENTS = 16  # a small table still spreads over this many segments, so it
 _MIN_GAIN = 8  # a compaction victim frees at least 1/8 of a segment
 _FLUSH_ROUNDS = 4  # compaction + checkpoint rounds one flush may run
 _SCAN_CHUNK = 1 << 22  # rows of the index scanned at once (bounds the scan's scratch memory)
-_GATHER_ROWS = 1 << 14  # rows gathered from a read buffer at once (an int64 index per element)
 _FREE, _USED = 0, 1
 
 U8Array = npt.NDArray[np.uint8]
@@ -776,12 +776,11 @@ class LogBlockSCMStore(RowStore, PassReader):
             calls += pass_calls
             elements = data.view(self.layout.word_dtype)
             dest = np.arange(part.start, part.stop) if order is None else order[part]
-            starts = buf_pos // WORD_BYTES
-            width = np.arange(self.layout.row_words, dtype=np.int64)
-            for a in range(0, starts.size, _GATHER_ROWS):  # bounds the element index
-                index = starts[a : a + _GATHER_ROWS, None] + width
-                words = elements[index]
-                out[dest[a : a + _GATHER_ROWS]] = self.layout.decode(words) if decode else words
+            # Every row_words-long window of the buffer, as a view: taking the windows that
+            # start at the rows' words copies each row whole (no index per element).
+            windows = sliding_window_view(elements, self.layout.row_words)
+            words = windows[buf_pos // WORD_BYTES]
+            out[dest] = self.layout.decode(words) if decode else words
             moved += nbytes
         return moved, calls
 
