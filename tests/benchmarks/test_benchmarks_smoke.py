@@ -66,6 +66,13 @@ def test_w1_smoke(tmp_path: Path) -> None:
     assert 0.0 <= ours["hit_rate"] <= 1.0 and ours["tiers"]["lookups"] > 0
     assert ours["stall_share"] is not None and ours["block_reads"]["rows"] > 0
     assert "block_scm" in ours["plan"]
+    # The tier worker's CPU a step, split: reads and write-backs, each with its kernel part.
+    parts, worker = ours["worker_cpu_parts_ms_per_step"], ours["cpu_ms_per_step"]["tier_io"]
+    assert parts["read_cpu"] > 0 and parts["write_cpu"] > 0
+    for what in ("read", "write"):
+        assert 0 <= parts[f"{what}_kernel"] <= parts[f"{what}_cpu"] + 0.05, parts
+    assert 0 <= ours["kernel_cpu_ms_per_step"]["tier_io"] <= worker + 0.05
+    assert "CPU a step of ours at 15%: training thread" in done.stdout
     # Beside the measured hit rates, the same caches replayed and MIN's on the same batches.
     bounds = ours["hit_rate_bounds"]
     assert bounds["lookahead"] == 2 and bounds["tables"]

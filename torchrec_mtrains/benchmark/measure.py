@@ -2,7 +2,7 @@
 
 * :class:`ProcessCounters` snapshots what the kernel counts for this process (storage bytes read
   and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
-  role (training thread, tier I/O workers, the rest).
+  role (training thread, tier I/O workers, the rest), or their time in the kernel.
 * :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
 * :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
   against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
@@ -174,9 +174,10 @@ def write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
-def thread_cpu_seconds() -> dict[str, float]:
+def thread_cpu_seconds(kernel_only: bool = False) -> dict[str, float]:
     """CPU seconds (user + system) of this process's threads so far, by role: the training
-    (main) thread, the tier I/O workers, and the rest (gloo, OpenMP, ...)."""
+    (main) thread, the tier I/O workers, and the rest (gloo, OpenMP, ...). ``kernel_only``:
+    the system part alone (e.g. a tier worker's block I/O in the kernel)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {"main": 0.0, "tier_io": 0.0, "other": 0.0}
     workers = {
@@ -189,7 +190,7 @@ def thread_cpu_seconds() -> dict[str, float]:
         except OSError:
             continue  # the thread ended
         fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
+        cpu = (int(fields[12]) + (0 if kernel_only else int(fields[11]))) / tick
         tid = int(task.name)
         role = "main" if tid == main_id else "tier_io" if tid in workers else "other"
         out[role] += cpu

@@ -5,6 +5,7 @@ running. Timing wraps the stores' calls in place; nothing else about the model c
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,9 @@ class TierClock:
     """Times the tiers' work: each read (a worker's reads of a batch's misses, all its tables
     together: ``read_rows_together`` as the tier worker calls it) and each store's write call,
     and the time at least one read (write) was in flight, which is what a rate over several
-    concurrent workers must divide by; plus the kernel's own counters
+    concurrent workers must divide by; the CPU time the calling threads spent in those calls,
+    and how much of it in the kernel (``getrusage`` of the thread: the block I/O's system
+    calls, copies and faults); plus the kernel's own counters
     (``TieredTableGroup.io_counters``): the training thread's stall and the workers' I/O time.
     Timing wraps those calls in place (in this process, for good); nothing else changes."""
 
@@ -32,6 +35,8 @@ class TierClock:
         self.calls_s = {"read": 0.0, "write": 0.0}
         self.busy_s = {"read": 0.0, "write": 0.0}
         self.rows = {"read": 0, "write": 0}
+        self.cpu_s = {"read": 0.0, "write": 0.0}
+        self.kernel_s = {"read": 0.0, "write": 0.0}
         self._active = {"read": 0, "write": 0}
         self._since = {"read": 0.0, "write": 0.0}
         worker = vars(tier_io)  # the tier worker's module: its reads go through this name
@@ -50,10 +55,14 @@ class TierClock:
                 if self._active[key] == 0:
                     self._since[key] = t0
                 self._active[key] += 1
+            used0 = _thread_cpu()
             try:
                 return fn(ids, *args, **kwargs)
             finally:
+                used1 = _thread_cpu()
                 with self._lock:
+                    self.cpu_s[key] += used1[0] - used0[0]
+                    self.kernel_s[key] += used1[1] - used0[1]
                     t1 = time.perf_counter()
                     self._active[key] -= 1
                     if self._active[key] == 0:
@@ -68,10 +77,18 @@ class TierClock:
             out = {f"{k}_calls_s": v for k, v in self.calls_s.items()}
             out.update({f"{k}_busy_s": v for k, v in self.busy_s.items()})
             out.update({f"rows_{k}": float(v) for k, v in self.rows.items()})
+            out.update({f"{k}_cpu_s": v for k, v in self.cpu_s.items()})
+            out.update({f"{k}_kernel_s": v for k, v in self.kernel_s.items()})
         counters = [g.io_counters() for g in self.groups]
         out["stall_s"] = sum(c.stall_seconds for c in counters)
         out["io_s"] = sum(c.io_seconds for c in counters)
         return out
+
+
+def _thread_cpu() -> tuple[float, float]:
+    """The calling thread's CPU seconds so far, all and in the kernel."""
+    used = resource.getrusage(resource.RUSAGE_THREAD)
+    return used.ru_utime + used.ru_stime, used.ru_stime
 
 
 def caches_full(groups: list[TieredTableGroup]) -> bool:
