@@ -74,7 +74,15 @@ from apps.dlrm.workloads.w1 import (
 )
 from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
-from torchrec_mtrains.benchmark.measure import machine_info, median_windows, target, write_json
+from torchrec_mtrains.benchmark.measure import (
+    add_malloc_option,
+    machine_info,
+    median_windows,
+    started_malloc_env,
+    target,
+    variant_env,
+    write_json,
+)
 from torchrec_mtrains.benchmark.tier_probes import (
     TierClock,
     caches_full,
@@ -192,7 +200,11 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         torch.cuda.set_device(device)
     fields: dict[str, Any] = {k: tuple(v) if k == "sizes" else v for k, v in spec.workload.items()}
     wl = Workload(**fields)
-    out: dict[str, Any] = {"variant": spec.variant, "device": str(device)}
+    out: dict[str, Any] = {
+        "variant": spec.variant,
+        "device": str(device),
+        "malloc_env": started_malloc_env(),
+    }
     with process_group(device):
         t0 = time.perf_counter()
         built = build(spec, wl, device)
@@ -325,8 +337,11 @@ def _profile(step: Callable[[], None], steps: int, device: torch.device) -> str:
 # ---------------------------------------------------------------------------------- parent
 
 
-def launch(spec: WorkerSpec, work: Path, timeout_s: float) -> dict[str, Any]:
-    """Runs one variant in a subprocess; its JSON, or why there is none."""
+def launch(
+    spec: WorkerSpec, work: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Runs one variant in a subprocess (in ``env``, this process's by default); its JSON, or
+    why there is none."""
     tag = Path(spec.out).stem
     spec_path = work / f"{tag}.spec.json"
     write_json(spec_path, asdict(spec))
@@ -334,7 +349,7 @@ def launch(spec: WorkerSpec, work: Path, timeout_s: float) -> dict[str, Any]:
     print(f"--- {tag}", flush=True)
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, timeout=max(1.0, timeout_s), check=False)
+        done = subprocess.run(cmd, timeout=max(1.0, timeout_s), check=False, env=env)
         code: int | str = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -456,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("results/gpu.json"))
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    add_malloc_option(parser)
     parser.add_argument("--batch-sizes", default=None, help="default 8192,65536 (smoke 256)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--cache-load-factor", type=float, default=0.15)
@@ -558,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 profile_steps=args.profile_steps,
                 max_warmup_s=args.max_warmup_s,
             )
-            runs[variant] = launch(spec, work, left)
+            runs[variant] = launch(spec, work, left, variant_env(args.malloc_trim_threshold))
             shutil.rmtree(spec.directory, ignore_errors=True)  # disk for the next one's files
             if variant == "A" and runs[variant]["ok"]:
                 reference = runs[variant]["first_losses"]

@@ -94,13 +94,16 @@ from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import (
     ProcessCounters,
+    add_malloc_option,
     disk_free_bytes,
     drop_file_cache,
     machine_info,
     median_windows,
     rss_bytes,
+    started_malloc_env,
     target,
     thread_cpu_seconds,
+    variant_env,
     write_json,
 )
 from torchrec_mtrains.benchmark.memory_cap import cgroup_support, run_capped
@@ -208,7 +211,11 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     wl = Workload(**fields)
     steps = Steps(**spec.steps)
     directory = Path(spec.directory)
-    result: dict[str, Any] = {"variant": spec.variant, "budget_fraction": spec.budget_fraction}
+    result: dict[str, Any] = {
+        "variant": spec.variant,
+        "budget_fraction": spec.budget_fraction,
+        "malloc_env": started_malloc_env(),
+    }
     with process_group():
         t0 = time.perf_counter()
         sizes = probe_sizes(wl) if spec.variant == "probe" else list(wl.sizes)
@@ -636,7 +643,13 @@ class Runner:
             f"--- {tag}: " + (f"cap {limit / 2**30:.2f} GiB" if limit else "no memory cap"),
             flush=True,
         )
-        record = run_capped(cmd, self.args.cgroup, tag, limit, env=worker_env(self.args.thp))
+        record = run_capped(
+            cmd,
+            self.args.cgroup,
+            tag,
+            limit,
+            env=worker_env(self.args.thp, self.args.malloc_trim_threshold),
+        )
         record["cgroup_cache_bytes_at_exit"] = record.pop("cgroup_stat_at_exit", {}).get("cache")
         shutil.rmtree(directory, ignore_errors=True)  # disk for the next run's files
         if out.exists():  # measured; a failure after that (the final flush) is noted
@@ -655,12 +668,14 @@ class Runner:
         return record
 
 
-def worker_env(thp: bool) -> dict[str, str]:
+def worker_env(thp: bool, malloc_trim_threshold: int | None) -> dict[str, str]:
     """Every variant's environment. With ``thp``, PyTorch's CPU allocator asks for transparent
     huge pages for large tensors (``THP_MEM_ALLOC_ENABLE``): each step allocates hundreds of
     MiB of activations and gradients afresh, and faulting them in 4 KiB at a time costs tens of
-    ms per step (A, B and ours alike)."""
-    env = dict(os.environ)
+    ms per step (A, B and ours alike). With ``malloc_trim_threshold``, the C library keeps
+    what a step frees for the next (``--malloc-trim-threshold``): without it A's training
+    thread spent 13-15 ms of its step in the kernel paging them in."""
+    env = variant_env(malloc_trim_threshold)
     env.pop("THP_MEM_ALLOC_ENABLE", None)
     if thp:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -888,6 +903,7 @@ def print_summary(results: dict[str, Any]) -> None:
         f"overhead {results['overhead_bytes'] / 2**30:.2f} GiB, "
         f"batch {results['workload']['batch_size']}, threads {results['args']['threads']}, "
         f"THP for tensors {results['args'].get('thp', 'False')}, "
+        f"malloc trim threshold {results['args'].get('malloc_trim_threshold', 'None')}, "
         f"lookahead {results['args']['lookahead']}, capped {results['capped']}"
     )
     if a.get("ok"):
@@ -1282,6 +1298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="run the variants without THP_MEM_ALLOC_ENABLE=1 (4 KiB pages for tensors)",
     )
+    add_malloc_option(parser)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--no-cap", action="store_true", help="never limit memory")
     parser.add_argument(

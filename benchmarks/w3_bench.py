@@ -103,7 +103,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
-from torchrec_mtrains.benchmark.measure import thread_cpu_seconds
+from torchrec_mtrains.benchmark.measure import add_malloc_option, thread_cpu_seconds, variant_env
 from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
@@ -730,6 +730,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
+    add_malloc_option(parser)
     parser.add_argument(
         "--no-thp",
         action="store_true",
@@ -758,12 +759,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result: dict[str, Any] = {
                 "args": vars(args) | {"out": str(args.out), "png": str(args.png)},
                 "thp": os.environ.get(THP_ENV) == "1",
+                "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
             }
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     a, mc, ours = result["A'"], result["A''"], result["ours"]
-    print(f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}")
+    print(
+        f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}; C "
+        f"allocator's trim threshold (--malloc-trim-threshold): "
+        f"{result['malloc_trim_threshold'] or 'glibc default, mappings of its own'}"
+    )
     print(
         "distinct raw ids over the run's batches (warm-up and timed): "
         + ", ".join(f"{f} {n:,}" for f, n in result["distinct_ids"].items())
@@ -827,11 +833,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    """The environment the variants train in (one process): huge pages for tensors unless
+    ``--no-thp``, the C allocator's settings of ``--malloc-trim-threshold``."""
+    return variant_env(args.malloc_trim_threshold, **({} if args.no_thp else {THP_ENV: "1"}))
+
+
 if __name__ == "__main__":
     # (A bad option stops here, before the restart.)
-    if not _parser().parse_args(sys.argv[1:]).no_thp and os.environ.get(THP_ENV) != "1":
-        # PyTorch reads it once, at its first large allocation: only a new process takes it.
-        os.execve(
-            sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, THP_ENV: "1"}
-        )
+    env = environment(_parser().parse_args(sys.argv[1:]))
+    if env != dict(os.environ):
+        # PyTorch and glibc read them once, at their first allocations: a new process takes them.
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     main(sys.argv[1:])

@@ -58,6 +58,7 @@ from torchrec_mtrains.cache.policies import (
 )
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import DEVICE_CHOICES, parse_duration
+from torchrec_mtrains.malloc import MAX_TRIM_THRESHOLD, MIN_TRIM_THRESHOLD
 from torchrec_mtrains.planner import HostTopology, PlannerConfig, topology_from_config
 from torchrec_mtrains.planner.sizes import parse_size
 
@@ -127,6 +128,7 @@ class RunConfig:
     num_threads: int = MISSING
     collective_timeout: str = MISSING
     bounds_check: str = MISSING
+    malloc_trim_threshold: str | None = MISSING
 
     def __post_init__(self) -> None:
         _check_count("run.steps", self.steps, 0, nullable=True)
@@ -163,12 +165,27 @@ class RunConfig:
                 f"run.device={self.device!r}: expected one of {', '.join(DEVICE_CHOICES)}"
             )
         # Parsed here, so that a bad value stops the config; the properties give them typed.
-        _ = (self.collective_timeout_duration, self.bounds_check_rule)
+        _ = (self.collective_timeout_duration, self.bounds_check_rule, self.malloc_trim_bytes)
 
     @property
     def collective_timeout_duration(self) -> timedelta:
         """``collective_timeout`` as a duration (90s, 5min; a bare number is seconds)."""
         return _parsed(parse_duration, self.collective_timeout, "run.collective_timeout")
+
+    @property
+    def malloc_trim_bytes(self) -> int | None:
+        """``malloc_trim_threshold`` in bytes (``None``: glibc's own settings), checked as
+        :func:`~torchrec_mtrains.malloc.reuse_freed_memory` takes it."""
+        if self.malloc_trim_threshold is None:
+            return None
+        key = "run.malloc_trim_threshold"
+        size = _parsed(parse_size, self.malloc_trim_threshold, key)
+        if not MIN_TRIM_THRESHOLD <= size < MAX_TRIM_THRESHOLD:
+            raise ConfigError(
+                f"{key}={self.malloc_trim_threshold!r}: give a size in [1MiB, 2GiB), or null "
+                "for the C library's own settings"
+            )
+        return size
 
     @property
     def bounds_check_rule(self) -> BoundsCheck:

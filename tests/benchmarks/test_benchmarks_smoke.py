@@ -53,6 +53,9 @@ def test_w1_smoke(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert set(r) >= {"workload", "machine", "overhead_bytes", "A", "budgets", "summary", "probe"}
     assert r["A"]["ok"] and r["A"]["samples_per_s"] > 0
+    # Every variant's process started with the C allocator set to reuse freed memory.
+    reuse = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20)}
+    assert r["A"]["malloc_env"] == r["probe"]["malloc_env"] == reuse
     pair = r["budgets"]["0.15"]
     for variant in ("B", "ours"):
         run = pair[variant]
@@ -233,6 +236,14 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
         run = runs[variant]
         assert run["ok"], run
         assert (
+            run["malloc_env"]
+            == runs["A"]["malloc_env"]
+            == {
+                "MALLOC_MMAP_MAX_": "0",
+                "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
+            }
+        )
+        assert (
             run["losses_vs_A"] == "bit for bit" and run["first_losses"] == runs["A"]["first_losses"]
         )
         assert 0.0 <= run["hit_rate"] <= 1.0 and run["h2d_bytes_per_step"] > 0
@@ -377,6 +388,7 @@ def test_w3_smoke(tmp_path: Path) -> None:
         "4,096) for 30 steps: losses equal" in done.stdout
     )
     result = json.loads(out.read_text())
+    assert result["malloc_trim_threshold"] == str(256 * 2**20)  # the restart took it
     for variant in ("A'", "A''", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
         # 12 timed steps in windows of 5, taken in turns

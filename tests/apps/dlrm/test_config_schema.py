@@ -181,6 +181,14 @@ UVM = "planner.large_tables=uvm_caching"
             "run.collective_timeout='soon' is not a duration; write e.g. 90s",
         ),
         (["run.bounds_check=fatal"], "run.bounds_check='fatal': expected one of error, warn ("),
+        (
+            ["run.malloc_trim_threshold=lots"],
+            "run.malloc_trim_threshold='lots' is not a size; write e.g. 512GB",
+        ),
+        (
+            ["run.malloc_trim_threshold=4GiB"],
+            "run.malloc_trim_threshold='4GiB': give a size in [1MiB, 2GiB), or null for the C",
+        ),
         (["pipeline.lookahead=-1"], "pipeline.lookahead=-1: give the number of batches to "),
         (["pipeline.read_ahead=-2"], "pipeline.read_ahead=-2: give the number of batches a "),
         (
@@ -270,6 +278,10 @@ def test_the_typed_values_of_the_checked_options() -> None:
     assert app.planner.dram_budget_bytes == 3 << 29
     assert app.planner.block_scm_threshold_bytes == 48 * 10**6
     assert app.planner.large_tables_choice is LargeTables.TIERED
+    assert app.run.malloc_trim_bytes == 256 * 2**20  # the default
+    for text, trim in (("64MiB", 64 * 2**20), ("null", None)):
+        app = to_app_config(_compose(SIZE_RULE, f"run.malloc_trim_threshold={text}"))
+        assert app.run.malloc_trim_bytes == trim
 
 
 @pytest.mark.parametrize(
