@@ -78,9 +78,7 @@ from torchrec_mtrains.benchmark.measure import (
     add_malloc_option,
     machine_info,
     median_windows,
-    started_malloc_env,
     target,
-    variant_env,
     write_json,
 )
 from torchrec_mtrains.benchmark.tier_probes import (
@@ -90,6 +88,7 @@ from torchrec_mtrains.benchmark.tier_probes import (
     tier_snapshot,
 )
 from torchrec_mtrains.distributed.runtime import process_group, with_index
+from torchrec_mtrains.malloc import reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.types import Tier
 
@@ -130,6 +129,8 @@ class WorkerSpec:
     reference_losses: list[float] | None = None
     profile_steps: int = 0
     max_warmup_s: float = 120.0
+    # Once built: reuse_freed_memory(this) (torchrec_mtrains.malloc); None: glibc's settings.
+    malloc_trim_threshold: int | None = None
 
 
 def build(spec: WorkerSpec, wl: Workload, device: torch.device) -> Built:
@@ -200,11 +201,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         torch.cuda.set_device(device)
     fields: dict[str, Any] = {k: tuple(v) if k == "sizes" else v for k, v in spec.workload.items()}
     wl = Workload(**fields)
-    out: dict[str, Any] = {
-        "variant": spec.variant,
-        "device": str(device),
-        "malloc_env": started_malloc_env(),
-    }
+    out: dict[str, Any] = {"variant": spec.variant, "device": str(device)}
     with process_group(device):
         t0 = time.perf_counter()
         built = build(spec, wl, device)
@@ -212,6 +209,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         out["plan"] = built.plan_text
         out.update(built.info)
         print(f"[{spec.variant}] built in {out['build_s']:.1f} s: {built.plan_text}", flush=True)
+        # Built: from here on the steps reuse the host memory the step before freed.
+        trim = spec.malloc_trim_threshold
+        malloc = reuse_freed_memory(trim) if trim is not None else None
+        out["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
         pipeline = make_pipeline(spec, built, device)
         try:
             out.update(_train(spec, wl, built, pipeline, device))
@@ -337,11 +338,8 @@ def _profile(step: Callable[[], None], steps: int, device: torch.device) -> str:
 # ---------------------------------------------------------------------------------- parent
 
 
-def launch(
-    spec: WorkerSpec, work: Path, timeout_s: float, env: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """Runs one variant in a subprocess (in ``env``, this process's by default); its JSON, or
-    why there is none."""
+def launch(spec: WorkerSpec, work: Path, timeout_s: float) -> dict[str, Any]:
+    """Runs one variant in a subprocess; its JSON, or why there is none."""
     tag = Path(spec.out).stem
     spec_path = work / f"{tag}.spec.json"
     write_json(spec_path, asdict(spec))
@@ -349,7 +347,7 @@ def launch(
     print(f"--- {tag}", flush=True)
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, timeout=max(1.0, timeout_s), check=False, env=env)
+        done = subprocess.run(cmd, timeout=max(1.0, timeout_s), check=False)
         code: int | str = done.returncode
     except subprocess.TimeoutExpired:
         code = "timeout"
@@ -471,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("results/gpu.json"))
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    add_malloc_option(parser)
+    add_malloc_option(parser, None)
     parser.add_argument("--batch-sizes", default=None, help="default 8192,65536 (smoke 256)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--cache-load-factor", type=float, default=0.15)
@@ -573,8 +571,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 reference_losses=reference,
                 profile_steps=args.profile_steps,
                 max_warmup_s=args.max_warmup_s,
+                malloc_trim_threshold=args.malloc_trim_threshold,
             )
-            runs[variant] = launch(spec, work, left, variant_env(args.malloc_trim_threshold))
+            runs[variant] = launch(spec, work, left)
             shutil.rmtree(spec.directory, ignore_errors=True)  # disk for the next one's files
             if variant == "A" and runs[variant]["ok"]:
                 reference = runs[variant]["first_losses"]

@@ -100,10 +100,8 @@ from torchrec_mtrains.benchmark.measure import (
     machine_info,
     median_windows,
     rss_bytes,
-    started_malloc_env,
     target,
     thread_cpu_seconds,
-    variant_env,
     write_json,
 )
 from torchrec_mtrains.benchmark.memory_cap import cgroup_support, run_capped
@@ -116,6 +114,7 @@ from torchrec_mtrains.benchmark.tier_probes import (
 )
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.malloc import reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.profiler import (
     BatchTrace,
@@ -183,6 +182,8 @@ class WorkerSpec:
     check_only: bool = False  # A run for its first losses only (when A is not timed)
     smoke: bool = False
     cache_policy: str | None = None  # ours' caches (the planner's default when None)
+    # Once built: reuse_freed_memory(this) (torchrec_mtrains.malloc); None: glibc's settings.
+    malloc_trim_threshold: int | None = None
 
 
 def load_cache_kernels() -> None:
@@ -211,11 +212,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     wl = Workload(**fields)
     steps = Steps(**spec.steps)
     directory = Path(spec.directory)
-    result: dict[str, Any] = {
-        "variant": spec.variant,
-        "budget_fraction": spec.budget_fraction,
-        "malloc_env": started_malloc_env(),
-    }
+    result: dict[str, Any] = {"variant": spec.variant, "budget_fraction": spec.budget_fraction}
     with process_group():
         t0 = time.perf_counter()
         sizes = probe_sizes(wl) if spec.variant == "probe" else list(wl.sizes)
@@ -246,6 +243,10 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         result["plan"] = built.plan_text
         result.update(built.info)
         print(f"[{spec.variant}] built in {result['build_s']:.1f} s", flush=True)
+        # Built: from here on the steps reuse the host memory the step before freed.
+        trim = spec.malloc_trim_threshold
+        malloc = reuse_freed_memory(trim) if trim is not None else None
+        result["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
         if spec.check_only:
             stream = BatchStream(wl, sizes)
             result["first_losses"] = [train_step(built, stream[i]) for i in range(CHECK_STEPS)]
@@ -629,6 +630,7 @@ class Runner:
             fill_caches=not self.args.smoke,
             smoke=self.args.smoke,
             cache_policy=self.args.cache_policy,
+            malloc_trim_threshold=self.args.malloc_trim_threshold,
             reference_losses=None if variant in ("A", "probe") else self.reference_losses,
             check_only=check_only,
         )
@@ -643,13 +645,7 @@ class Runner:
             f"--- {tag}: " + (f"cap {limit / 2**30:.2f} GiB" if limit else "no memory cap"),
             flush=True,
         )
-        record = run_capped(
-            cmd,
-            self.args.cgroup,
-            tag,
-            limit,
-            env=worker_env(self.args.thp, self.args.malloc_trim_threshold),
-        )
+        record = run_capped(cmd, self.args.cgroup, tag, limit, env=worker_env(self.args.thp))
         record["cgroup_cache_bytes_at_exit"] = record.pop("cgroup_stat_at_exit", {}).get("cache")
         shutil.rmtree(directory, ignore_errors=True)  # disk for the next run's files
         if out.exists():  # measured; a failure after that (the final flush) is noted
@@ -668,14 +664,12 @@ class Runner:
         return record
 
 
-def worker_env(thp: bool, malloc_trim_threshold: int | None) -> dict[str, str]:
+def worker_env(thp: bool) -> dict[str, str]:
     """Every variant's environment. With ``thp``, PyTorch's CPU allocator asks for transparent
     huge pages for large tensors (``THP_MEM_ALLOC_ENABLE``): each step allocates hundreds of
     MiB of activations and gradients afresh, and faulting them in 4 KiB at a time costs tens of
-    ms per step (A, B and ours alike). With ``malloc_trim_threshold``, the C library keeps
-    what a step frees for the next (``--malloc-trim-threshold``): without it A's training
-    thread spent 13-15 ms of its step in the kernel paging them in."""
-    env = variant_env(malloc_trim_threshold)
+    ms per step (A, B and ours alike)."""
+    env = dict(os.environ)
     env.pop("THP_MEM_ALLOC_ENABLE", None)
     if thp:
         env["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -1298,7 +1292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_false",
         help="run the variants without THP_MEM_ALLOC_ENABLE=1 (4 KiB pages for tensors)",
     )
-    add_malloc_option(parser)
+    add_malloc_option(parser, None)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--no-cap", action="store_true", help="never limit memory")
     parser.add_argument(

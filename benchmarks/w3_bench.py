@@ -103,7 +103,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
-from torchrec_mtrains.benchmark.measure import add_malloc_option, thread_cpu_seconds, variant_env
+from torchrec_mtrains.benchmark.measure import add_malloc_option, thread_cpu_seconds
 from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
@@ -115,6 +115,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
+from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD, reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats, tiered_groups
 from torchrec_mtrains.planner.perf_model import cache_bytes, slot_map_bytes
 from torchrec_mtrains.types import stored_row_bytes
@@ -473,6 +474,11 @@ def run_side_by_side(
     stream = Stream(args, seed=1)
     warmup = [stream.batch() for _ in range(args.warmup)]
     models = {v: build(args, v, root / v) for v in VARIANTS}
+    # Built: from here on every variant's steps reuse the host memory the step before freed.
+    # (Under glibc's own settings, A' ran at 2.3 ms a step after the checks had trained a few
+    # steps in this process and at 6.6 ms in a fresh one: docs/benchmarks.md.)
+    trim = args.malloc_trim_threshold
+    malloc = reuse_freed_memory(trim) if trim is not None else None
     opts = {v: dense_optimizer(m) for v, m in models.items()}
     modulo = {"A'": args.hash_rows, "A''": 0, "ours": 0}
     for v in VARIANTS:  # the plain loop, untimed
@@ -563,6 +569,7 @@ def run_side_by_side(
     for v in VARIANTS:
         out[v]["dram_bytes"] = dram[v]
     out["distinct_ids"] = distinct
+    out["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
     out["ours"]["checkpoint"] = checkpoint_bytes(models["ours"], args, root / "ckpt")
     out["ours"]["chain"] = chain_bytes(models["ours"], opts["ours"], args, root, stream)
     return out
@@ -730,7 +737,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
-    add_malloc_option(parser)
+    add_malloc_option(parser, DEFAULT_TRIM_THRESHOLD)
     parser.add_argument(
         "--no-thp",
         action="store_true",
@@ -759,16 +766,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result: dict[str, Any] = {
                 "args": vars(args) | {"out": str(args.out), "png": str(args.png)},
                 "thp": os.environ.get(THP_ENV) == "1",
-                "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
             }
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     a, mc, ours = result["A'"], result["A''"], result["ours"]
+    trim = result["malloc"]["trim_threshold"]
     print(
-        f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}; C "
-        f"allocator's trim threshold (--malloc-trim-threshold): "
-        f"{result['malloc_trim_threshold'] or 'glibc default, mappings of its own'}"
+        f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}; freed host "
+        "memory kept for the next steps (--malloc-trim-threshold): "
+        + (f"up to {trim / 2**20:,.0f} MiB" if trim else "no, glibc's own settings")
     )
     print(
         "distinct raw ids over the run's batches (warm-up and timed): "
@@ -833,16 +840,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def environment(args: argparse.Namespace) -> dict[str, str]:
-    """The environment the variants train in (one process): huge pages for tensors unless
-    ``--no-thp``, the C allocator's settings of ``--malloc-trim-threshold``."""
-    return variant_env(args.malloc_trim_threshold, **({} if args.no_thp else {THP_ENV: "1"}))
-
-
 if __name__ == "__main__":
     # (A bad option stops here, before the restart.)
-    env = environment(_parser().parse_args(sys.argv[1:]))
-    if env != dict(os.environ):
-        # PyTorch and glibc read them once, at their first allocations: a new process takes them.
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    if not _parser().parse_args(sys.argv[1:]).no_thp and os.environ.get(THP_ENV) != "1":
+        # PyTorch reads it once, at its first large allocation: only a new process takes it.
+        os.execve(
+            sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, THP_ENV: "1"}
+        )
     main(sys.argv[1:])

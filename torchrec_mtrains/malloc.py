@@ -13,14 +13,15 @@ VM, docs/benchmarks.md, "Host memory a step"):
 * W3's hashed model (A', batch 4,096): 6.6 ms a step with ~2,000 faults in a fresh process,
   2.3 ms after an unrelated model had trained a few steps in it first, 2.0 ms with
   :func:`reuse_freed_memory`: one model, three speeds;
-* W1 (batch 8,192, a pooled output of 54 MiB): A's training thread spent 13-15 ms of its ~60 ms
-  step in the kernel, ~2,500 faults a step; 0.5 ms with it, and A ran 22% faster.
+* W1 (batch 8,192, a pooled output of 54 MiB): A's training thread spent 13-18 ms of its ~60
+  ms step in the kernel, ~2,500 faults a step; about 1 ms with it, and A ran ~25% faster, the
+  tiered model ~18%. The process's peak rose by 8-12% (the heaps keep what they freed).
 
 :func:`reuse_freed_memory` makes every block come from ``malloc``'s heaps (no mapping of its own,
 whatever its size) and lets the heap's top keep up to ``trim_threshold`` free bytes, so a step's
 tensors reuse the memory the step before freed. What it costs is memory kept mapped: up to
-``trim_threshold`` free at the heap's top, and what the heaps' free lists hold between steps
-(W1 at 15%: the peak 6% higher). It is process-wide, so applications choose it (the DLRM app's
+``trim_threshold`` free at the heap's top, and what the heaps' free lists hold between steps.
+It is process-wide, so applications choose it, once their model is built (the DLRM app's
 ``run.malloc_trim_threshold``, the benchmarks' ``--malloc-trim-threshold``), never a module of
 the library on its own.
 """
@@ -59,9 +60,11 @@ def reuse_freed_memory(trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> MallocSe
     """Sets glibc ``malloc`` so that freed memory is reused rather than handed back to the kernel
     and faulted in again (see the module docstring): ``mallopt(M_MMAP_MAX, 0)``, every block
     from the heaps, and ``mallopt(M_TRIM_THRESHOLD, trim_threshold)``, which also stops glibc
-    moving its thresholds by itself. As the ``MALLOC_MMAP_MAX_=0`` and
-    ``MALLOC_TRIM_THRESHOLD_`` environment variables would at the process's start, but for the
-    blocks allocated from now on.
+    moving its thresholds by itself. For the blocks allocated from then on: call it once the
+    model is built (and restored), so that what building freed went back to the kernel as
+    usual. Set from the process's start (``MALLOC_MMAP_MAX_=0``) the heaps also keep the
+    holes a build's large transient blocks leave: W1's probe process peaked at 0.99 GiB of
+    overhead against 0.49 GiB.
 
     Args:
         trim_threshold: free bytes the heap's top may keep (at least 1 MiB, below 2 GiB).
@@ -72,7 +75,7 @@ def reuse_freed_memory(trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> MallocSe
     Raises:
         ValueError: for a threshold out of range, naming it.
     """
-    _check(trim_threshold)
+    check_trim_threshold(trim_threshold)
     libc = _glibc()
     if libc is None:
         logger.info("malloc settings left as they are: the C library is not glibc")
@@ -86,19 +89,8 @@ def reuse_freed_memory(trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> MallocSe
     return MallocSettings(trim_threshold)
 
 
-def reuse_freed_memory_env(trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> dict[str, str]:
-    """The environment in which a new process's glibc starts as :func:`reuse_freed_memory`
-    leaves it (read at its first ``malloc``, so from the imports on): for benchmarks, which
-    give every variant's subprocess the same.
-
-    Raises:
-        ValueError: for a threshold out of range, naming it.
-    """
-    _check(trim_threshold)
-    return {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(trim_threshold)}
-
-
-def _check(trim_threshold: int) -> None:
+def check_trim_threshold(trim_threshold: int) -> None:
+    """Refuses a trim threshold :func:`reuse_freed_memory` would not take (``ValueError``)."""
     if (
         isinstance(trim_threshold, bool)
         or not isinstance(trim_threshold, int)

@@ -44,7 +44,6 @@ from torchrec_mtrains.distributed.runtime import (
     init_process_group,
     resolve_device,
 )
-from torchrec_mtrains.malloc import reuse_freed_memory
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
 
@@ -113,8 +112,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     caller_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
-    if app.run.malloc_trim_bytes is not None:  # the process's, for the rest of its life
-        reuse_freed_memory(app.run.malloc_trim_bytes)
     timeout = app.run.collective_timeout_duration
     group = init_process_group(compute_device(app.run), timeout)
     # A rank that fails, stalls or dies ends every rank, each naming it (see failing_together).

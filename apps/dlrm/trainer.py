@@ -82,7 +82,9 @@ from torchrec_mtrains.cache.table_cache import compile_kernels
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions, Link
 from torchrec_mtrains.distributed import HostBoundsCheck, TieredParameterSharding
 from torchrec_mtrains.distributed.tiered_tables import TieredTableGroup
+from torchrec_mtrains.malloc import reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, snapshot, tiered_groups
+from torchrec_mtrains.planner.sizes import format_size
 from torchrec_mtrains.types import Tier
 
 logger: logging.Logger = logging.getLogger("apps.dlrm.train")
@@ -245,6 +247,14 @@ class Trainer:
         if self.last is not None:
             self._restore(manager)
         self._announce(plan_text)
+        trim = self.app.run.malloc_trim_bytes
+        if trim is not None and reuse_freed_memory(trim) is not None:
+            # (after the build and the restore: their transient memory went back as usual)
+            logger.info(
+                "host memory a step frees is kept for the next (up to %s free: "
+                "run.malloc_trim_threshold)",
+                format_size(trim),
+            )
         return self._train_and_report(model, optimizer, manager, file_counts)
 
     # ------------------------------------------------------------------- where it starts

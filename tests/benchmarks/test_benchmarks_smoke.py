@@ -49,13 +49,15 @@ def test_w1_smoke(tmp_path: Path) -> None:
     out = tmp_path / "w1.json"
     # Two budgets: the second's runs must not start from files the first trained.
     args = ("--smoke", "--budgets", "0.15,0.5", "--out", str(out), "--dir", str(tmp_path))
-    done = _run("w1_bench.py", *args)
+    done = _run("w1_bench.py", *args, "--malloc-trim-threshold", "64MiB")
     r = json.loads(out.read_text())
     assert set(r) >= {"workload", "machine", "overhead_bytes", "A", "budgets", "summary", "probe"}
     assert r["A"]["ok"] and r["A"]["samples_per_s"] > 0
-    # Every variant's process started with the C allocator set to reuse freed memory.
-    reuse = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20)}
-    assert r["A"]["malloc_env"] == r["probe"]["malloc_env"] == reuse
+    # Every variant, once built, set to reuse the host memory its steps free.
+    reuse = {"trim_threshold": 64 * 2**20}
+    assert (
+        r["A"]["malloc"] == r["probe"]["malloc"] == r["budgets"]["0.15"]["ours"]["malloc"] == reuse
+    )
     pair = r["budgets"]["0.15"]
     for variant in ("B", "ours"):
         run = pair[variant]
@@ -235,14 +237,7 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
     for variant in ("ours_dram", "ours_byte_scm", "ours_block_scm"):
         run = runs[variant]
         assert run["ok"], run
-        assert (
-            run["malloc_env"]
-            == runs["A"]["malloc_env"]
-            == {
-                "MALLOC_MMAP_MAX_": "0",
-                "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
-            }
-        )
+        assert run["malloc"] == runs["A"]["malloc"] == {"trim_threshold": None}  # off by default
         assert (
             run["losses_vs_A"] == "bit for bit" and run["first_losses"] == runs["A"]["first_losses"]
         )
@@ -388,7 +383,7 @@ def test_w3_smoke(tmp_path: Path) -> None:
         "4,096) for 30 steps: losses equal" in done.stdout
     )
     result = json.loads(out.read_text())
-    assert result["malloc_trim_threshold"] == str(256 * 2**20)  # the restart took it
+    assert result["malloc"] == {"trim_threshold": 256 * 2**20}  # every variant, once built
     for variant in ("A'", "A''", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
         # 12 timed steps in windows of 5, taken in turns

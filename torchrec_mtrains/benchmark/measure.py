@@ -4,8 +4,8 @@
   and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
   role (training thread, tier I/O workers, the rest), or their time in the kernel.
 * :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
-* :func:`add_malloc_option` and :func:`variant_env`: every variant's process starts with the
-  same C allocator settings (:mod:`torchrec_mtrains.malloc`), as the DLRM app runs.
+* :func:`add_malloc_option`: every variant trains with the same C allocator settings
+  (:mod:`torchrec_mtrains.malloc`), as the DLRM app does.
 * :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
   against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
   what it measured.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrec_mtrains.distributed.tier_io import WORKER_THREAD_PREFIX
-from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD, reuse_freed_memory_env
+from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD, check_trim_threshold
 from torchrec_mtrains.planner.sizes import exact_size, parse_size
 
 __all__ = [
@@ -42,23 +42,22 @@ __all__ = [
     "rss_bytes",
     "target",
     "thread_cpu_seconds",
-    "variant_env",
     "write_json",
 ]
 
 
-def add_malloc_option(parser: argparse.ArgumentParser) -> None:
-    """``--malloc-trim-threshold SIZE|off``: every variant's process reuses the host memory its
-    steps free (:func:`torchrec_mtrains.malloc.reuse_freed_memory`, as the DLRM app does by
-    default); ``off`` leaves glibc's own settings, under which a step's tensors can be paged
-    in afresh every step and a variant's speed depends on what its process freed before."""
+def add_malloc_option(parser: argparse.ArgumentParser, default: int | None) -> None:
+    """``--malloc-trim-threshold SIZE|off``: once built, every variant reuses the host memory its
+    steps free (:func:`torchrec_mtrains.malloc.reuse_freed_memory`); ``off``: glibc's own
+    settings, under which a step's large tensors are paged in afresh every step and a variant's
+    speed can depend on what its process freed before. ``default``: the benchmark's."""
 
     def parse(text: str) -> int | None:
         if text.strip().lower() == "off":
             return None
         try:
             size = parse_size(text, "--malloc-trim-threshold")
-            reuse_freed_memory_env(size)  # the range check
+            check_trim_threshold(size)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         return size
@@ -66,31 +65,12 @@ def add_malloc_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--malloc-trim-threshold",
         type=parse,
-        default=DEFAULT_TRIM_THRESHOLD,
+        default=default,
         metavar="SIZE|off",
-        help="every variant: free host memory the C library keeps for the next steps "
-        f"(default {exact_size(DEFAULT_TRIM_THRESHOLD)}; torchrec_mtrains.malloc); off: "
-        "glibc's own settings",
+        help="every variant, once built: free host memory the C library keeps for the next "
+        f"steps, e.g. {exact_size(DEFAULT_TRIM_THRESHOLD)} (torchrec_mtrains.malloc); off: "
+        f"glibc's own settings (default {exact_size(default) if default else 'off'})",
     )
-
-
-_MALLOC_VARIABLES = tuple(reuse_freed_memory_env())
-
-
-def variant_env(malloc_trim_threshold: int | None, **variables: str) -> dict[str, str]:
-    """This process's environment for a variant's subprocess, with ``variables`` and the C
-    allocator's settings of ``--malloc-trim-threshold`` (none inherited from this one)."""
-    env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARIABLES}
-    if malloc_trim_threshold is not None:
-        env.update(reuse_freed_memory_env(malloc_trim_threshold))
-    env.update(variables)
-    return env
-
-
-def started_malloc_env() -> dict[str, str]:
-    """The C allocator's settings this process started with (:func:`variant_env`'s), for its
-    record: empty under glibc's own."""
-    return {k: os.environ[k] for k in _MALLOC_VARIABLES if k in os.environ}
 
 
 def drop_file_cache(paths: Iterable[Path]) -> int:

@@ -161,3 +161,22 @@ def test_whatif_cli_plans_with_the_datas_pooling_factors(
     code, twenty_ids, _ = _whatif(capsys, "data.pooling_factors=[20]")
     assert code == 0
     assert _predicted_step(one_id) != _predicted_step(twenty_ids)
+
+
+@pytest.mark.parametrize("trim", ["64MiB", "null"])
+def test_training_keeps_freed_host_memory_when_asked(tmp_path: Path, trim: str) -> None:
+    """``run.malloc_trim_threshold`` sets the C library once the model is built (in a process
+    of its own: the setting is the process's), and says so; ``null`` leaves it alone."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "apps.dlrm.train", f"run.dir={tmp_path / 'run'}"),
+            *("run.steps=3", "run.eval_batches=0", f"run.malloc_trim_threshold={trim}"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "host memory a step frees is kept for the next (up to 64 MiB free"
+    assert (said in done.stderr + done.stdout) == (trim != "null")
