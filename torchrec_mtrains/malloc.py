@@ -14,8 +14,8 @@ VM, docs/benchmarks.md, "Host memory a step"):
   2.3 ms after an unrelated model had trained a few steps in it first, 2.0 ms with
   :func:`reuse_freed_memory`: one model, three speeds;
 * W1 (batch 8,192, a pooled output of 54 MiB): A's training thread spent 13-18 ms of its ~60
-  ms step in the kernel, ~2,500 faults a step; about 1 ms with it, and A ran ~25% faster, the
-  tiered model ~18%. The process's peak rose by 8-12% (the heaps keep what they freed).
+  ms step in the kernel, ~2,500 faults a step; about 1 ms with it, and A ran ~28% faster, the
+  tiered model ~20%. The process's peak rose by 6-13% (the heaps keep what they freed).
 
 :func:`reuse_freed_memory` makes every block come from ``malloc``'s heaps (no mapping of its own,
 whatever its size) and lets the heap's top keep up to ``trim_threshold`` free bytes, so a step's

@@ -58,7 +58,7 @@ from torchrec_mtrains.cache.policies import (
 )
 from torchrec_mtrains.distributed.options import BoundsCheck
 from torchrec_mtrains.distributed.runtime import DEVICE_CHOICES, parse_duration
-from torchrec_mtrains.malloc import MAX_TRIM_THRESHOLD, MIN_TRIM_THRESHOLD
+from torchrec_mtrains.malloc import check_trim_threshold
 from torchrec_mtrains.planner import HostTopology, PlannerConfig, topology_from_config
 from torchrec_mtrains.planner.sizes import parse_size
 
@@ -180,11 +180,13 @@ class RunConfig:
             return None
         key = "run.malloc_trim_threshold"
         size = _parsed(parse_size, self.malloc_trim_threshold, key)
-        if not MIN_TRIM_THRESHOLD <= size < MAX_TRIM_THRESHOLD:
+        try:
+            check_trim_threshold(size)
+        except ValueError:
             raise ConfigError(
                 f"{key}={self.malloc_trim_threshold!r}: give a size in [1MiB, 2GiB), or null "
                 "for the C library's own settings"
-            )
+            ) from None
         return size
 
     @property
