@@ -1167,6 +1167,23 @@ def plot(results: dict[str, Any], path: Path) -> None:
             color="dimgrey",
             linestyle=":",
         )
+    # A variant with no figure (the OOM killer, a failure) is named where its point would be.
+    failed = [
+        (float(b) * 100, name, "killed by the OOM killer" if run.get("oom_kills") else "failed")
+        for b, runs in results.get("budgets", {}).items()
+        for name, run in runs.items()
+        if isinstance(run, dict) and run.get("ok") is False
+    ]
+    for i, (x, name, why) in enumerate(failed):
+        ax.annotate(
+            f"{name} at {x:g}%: {why}",
+            (x, 0),
+            xytext=(0, 10 + 12 * i),
+            textcoords="offset points",
+            ha="right",
+            fontsize="small",
+            color="firebrick",
+        )
     if ax.get_legend_handles_labels()[0]:
         left.legend(loc="outside lower center", fontsize="small")
 
