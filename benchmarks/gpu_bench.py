@@ -76,6 +76,7 @@ from torchrec_mtrains.benchmark.disk import random_read_iops
 from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_losses
 from torchrec_mtrains.benchmark.measure import (
     add_malloc_option,
+    apply_malloc_option,
     machine_info,
     median_windows,
     target,
@@ -88,7 +89,6 @@ from torchrec_mtrains.benchmark.tier_probes import (
     tier_snapshot,
 )
 from torchrec_mtrains.distributed.runtime import process_group, with_index
-from torchrec_mtrains.malloc import reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.types import Tier
 
@@ -209,10 +209,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         out["plan"] = built.plan_text
         out.update(built.info)
         print(f"[{spec.variant}] built in {out['build_s']:.1f} s: {built.plan_text}", flush=True)
-        # Built: from here on the steps reuse the host memory the step before freed.
-        trim = spec.malloc_trim_threshold
-        malloc = reuse_freed_memory(trim) if trim is not None else None
-        out["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
+        # Built: from here on, with --malloc-trim-threshold, the steps reuse what the last freed.
+        out["malloc"] = apply_malloc_option(spec.malloc_trim_threshold)
         pipeline = make_pipeline(spec, built, device)
         try:
             out.update(_train(spec, wl, built, pipeline, device))

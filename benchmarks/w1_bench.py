@@ -95,6 +95,7 @@ from torchrec_mtrains.benchmark.losses import CHECK_STEPS, LossMismatch, check_l
 from torchrec_mtrains.benchmark.measure import (
     ProcessCounters,
     add_malloc_option,
+    apply_malloc_option,
     disk_free_bytes,
     drop_file_cache,
     machine_info,
@@ -114,7 +115,6 @@ from torchrec_mtrains.benchmark.tier_probes import (
 )
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.runtime import process_group
-from torchrec_mtrains.malloc import reuse_freed_memory
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline
 from torchrec_mtrains.profiler import (
     BatchTrace,
@@ -243,10 +243,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         result["plan"] = built.plan_text
         result.update(built.info)
         print(f"[{spec.variant}] built in {result['build_s']:.1f} s", flush=True)
-        # Built: from here on the steps reuse the host memory the step before freed.
-        trim = spec.malloc_trim_threshold
-        malloc = reuse_freed_memory(trim) if trim is not None else None
-        result["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
+        # Built: from here on, with --malloc-trim-threshold, the steps reuse what the last freed.
+        result["malloc"] = apply_malloc_option(spec.malloc_trim_threshold)
         if spec.check_only:
             stream = BatchStream(wl, sizes)
             result["first_losses"] = [train_step(built, stream[i]) for i in range(CHECK_STEPS)]

@@ -103,7 +103,11 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from apps.dlrm.data import ZipfRankSampler
-from torchrec_mtrains.benchmark.measure import add_malloc_option, thread_cpu_seconds
+from torchrec_mtrains.benchmark.measure import (
+    add_malloc_option,
+    apply_malloc_option,
+    thread_cpu_seconds,
+)
 from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
 from torchrec_mtrains.checkpoint import CheckpointManager, CheckpointOptions
 from torchrec_mtrains.distributed import (
@@ -115,7 +119,7 @@ from torchrec_mtrains.distributed import (
 )
 from torchrec_mtrains.distributed.runtime import process_group
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
-from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD, reuse_freed_memory
+from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats, tiered_groups
 from torchrec_mtrains.planner.perf_model import cache_bytes, slot_map_bytes
 from torchrec_mtrains.types import stored_row_bytes
@@ -477,8 +481,7 @@ def run_side_by_side(
     # Built: from here on every variant's steps reuse the host memory the step before freed.
     # (Under glibc's own settings, A' ran at 2.3 ms a step after the checks had trained a few
     # steps in this process and at 6.6 ms in a fresh one: docs/benchmarks.md.)
-    trim = args.malloc_trim_threshold
-    malloc = reuse_freed_memory(trim) if trim is not None else None
+    malloc = apply_malloc_option(args.malloc_trim_threshold)
     opts = {v: dense_optimizer(m) for v, m in models.items()}
     modulo = {"A'": args.hash_rows, "A''": 0, "ours": 0}
     for v in VARIANTS:  # the plain loop, untimed
@@ -569,7 +572,7 @@ def run_side_by_side(
     for v in VARIANTS:
         out[v]["dram_bytes"] = dram[v]
     out["distinct_ids"] = distinct
-    out["malloc"] = {"trim_threshold": malloc.trim_threshold if malloc else None}
+    out["malloc"] = malloc
     out["ours"]["checkpoint"] = checkpoint_bytes(models["ours"], args, root / "ckpt")
     out["ours"]["chain"] = chain_bytes(models["ours"], opts["ours"], args, root, stream)
     return out

@@ -4,7 +4,7 @@
   and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
   role (training thread, tier I/O workers, the rest), or their time in the kernel.
 * :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
-* :func:`add_malloc_option`: every variant trains with the same C allocator settings
+* :func:`add_malloc_option` and :func:`apply_malloc_option`: every variant trains with the same C allocator settings
   (:mod:`torchrec_mtrains.malloc`), as the DLRM app's ``run.malloc_trim_threshold`` sets them.
 * :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
   against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
@@ -29,12 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from torchrec_mtrains.distributed.tier_io import WORKER_THREAD_PREFIX
-from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD, check_trim_threshold
+from torchrec_mtrains.malloc import (
+    DEFAULT_TRIM_THRESHOLD,
+    check_trim_threshold,
+    reuse_freed_memory,
+)
 from torchrec_mtrains.planner.sizes import exact_size, parse_size
 
 __all__ = [
     "ProcessCounters",
     "add_malloc_option",
+    "apply_malloc_option",
     "disk_free_bytes",
     "drop_file_cache",
     "machine_info",
@@ -71,6 +76,14 @@ def add_malloc_option(parser: argparse.ArgumentParser, default: int | None) -> N
         f"steps, e.g. {exact_size(DEFAULT_TRIM_THRESHOLD)} (torchrec_mtrains.malloc); off: "
         f"glibc's own settings (default {exact_size(default) if default else 'off'})",
     )
+
+
+def apply_malloc_option(trim_threshold: int | None) -> dict[str, int | None]:
+    """What a variant does with ``--malloc-trim-threshold`` once built: ``reuse_freed_memory``
+    unless ``None``; returns the record of it for the variant's JSON (``trim_threshold``: what
+    was set, ``None`` for glibc's own settings or a C library that is not glibc)."""
+    set_ = reuse_freed_memory(trim_threshold) if trim_threshold is not None else None
+    return {"trim_threshold": set_.trim_threshold if set_ else None}
 
 
 def drop_file_cache(paths: Iterable[Path]) -> int:
