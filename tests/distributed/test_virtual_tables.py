@@ -79,7 +79,7 @@ def test_other_optimizers(optimizer: str, tmp_path: Path) -> None:
     _check(VirtualCase(optimizer=optimizer), tmp_path)
 
 
-@pytest.mark.parametrize("eviction", ["count", "ttl", "mixed", "l2"])
+@pytest.mark.parametrize("eviction", ["count", "ttl", "mixed", "l2", "score"])
 @pytest.mark.parametrize(("trigger", "max_live_rows"), [(0, 200), (60, 220)])
 def test_evicted_ids_come_back_as_new_rows_as_in_a_reset_fused_table(
     eviction: str, trigger: int, max_live_rows: int, tmp_path: Path
@@ -89,6 +89,15 @@ def test_evicted_ids_come_back_as_new_rows_as_in_a_reset_fused_table(
     assert stats["rows_evicted"] > 0 and stats["eviction_rounds"] > 0
     assert stats["rows_made"] == stats["live_rows"] + stats["rows_evicted"]
     assert stats["live_rows"] <= max_live_rows
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_feature_scores_never_reach_pooling(weighted: bool, tmp_path: Path) -> None:
+    """TorchRec's auto collection would hand the kernels every value's score as its weight:
+    pooled by them (fbgemm's weighted path, even at 1.0), the outputs part from FUSED at the
+    first step, and a weighted EBC's input is refused. The tiers take the scores from the
+    policy and turn it off."""
+    _check(VirtualCase(eviction="score", weighted=weighted, max_live_rows=1000), tmp_path)
 
 
 def test_the_reference_reset_is_what_makes_evictions_match(tmp_path: Path) -> None:
@@ -168,7 +177,8 @@ def _kjt(ids: list[int]) -> KeyedJaggedTensor:
         ),
         (
             {"ebc": {"virtual_table_eviction_policy": FeatureScoreBasedEvictionPolicy()}},
-            r"virtual table 't_v': virtual_table_eviction_policy=FeatureScoreBasedEvictionPolicy",
+            r"virtual table 't_v': FeatureScoreBasedEvictionPolicy with "
+            r"enable_auto_feature_score_collection=False takes its scores from the input's weights",
         ),
         (
             {"generator": column_wise(ranks=[0], compute_kernel=TIERED_KERNEL)},

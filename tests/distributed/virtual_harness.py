@@ -42,6 +42,7 @@ from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     EmbeddingConfig,
     FeatureL2NormBasedEvictionPolicy,
+    FeatureScoreBasedEvictionPolicy,
     TimestampBasedEvictionPolicy,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -93,7 +94,7 @@ class VirtualCase:
     policy: str = "lfu"
     steps: int = 12
     seed: int = 0
-    # none | count | ttl | mixed | l2, with TorchRec's trigger count (0: only when full)
+    # none | count | ttl | mixed | l2 | score, with TorchRec's trigger count (0: only when full)
     eviction: str = "none"
     trigger: int = 0
     world_size: int = 1  # where a sweep runs it (run_case takes the world it is in)
@@ -160,6 +161,14 @@ def eviction_policy(case: VirtualCase) -> Any:
     if case.eviction == "l2":
         return FeatureL2NormBasedEvictionPolicy(
             training_id_eviction_trigger_count=trigger, eviction_threshold=0.09
+        )
+    if case.eviction == "score":  # keeps a third of the bound: rounds that evict many
+        return FeatureScoreBasedEvictionPolicy(
+            training_id_eviction_trigger_count=trigger,
+            training_id_keep_count=max(1, case.max_live_rows // 3),
+            decay_rate=0.8,
+            enable_auto_feature_score_collection=True,
+            feature_score_default_value=1.0,
         )
     return None
 

@@ -38,7 +38,7 @@ from tests.parity.two_ranks import run_in_two_rank_jobs
 from torchrec_mtrains.distributed.virtual_tables import bucket_rows
 
 STORES = ("dram", "byte_scm", "block_scm", "log_block_scm")
-EVICTIONS = ("none", "count", "ttl", "mixed", "l2")
+EVICTIONS = ("none", "count", "ttl", "mixed", "l2", "score")
 FULL = "VirtualTableFullError"
 
 

@@ -186,6 +186,12 @@ class _TieredShardedMixin(_ShardedBase):
         object.__setattr__(self, "_id_check", check)
         object.__setattr__(self, "_tier_hot_rows", dict(hot_rows or {}))
         super().__init__(*args, **kwargs)
+        # The tiers read a FeatureScoreBasedEvictionPolicy's scores from the policy itself
+        # (see virtual_eviction). TorchRec's auto collection would put them in the input's
+        # weights, which every kernel of the module pools by, fbgemm's FUSED ones included
+        # (0.0 for tables without the policy), and would refuse a weighted EBC's input.
+        self._enabled_feature_score_auto_collection = False
+        self._enable_feature_score_weight_accumulation = False
 
     def _configs(self) -> list[BaseEmbeddingConfig]:
         return compat.table_configs(self)

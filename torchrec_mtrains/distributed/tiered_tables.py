@@ -44,6 +44,7 @@ from torchrec_mtrains.distributed.options import (
 )
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
+from torchrec_mtrains.distributed.virtual_eviction import EvictionKind
 from torchrec_mtrains.distributed.virtual_rows import AssignedRows, VirtualRows
 from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
@@ -436,6 +437,9 @@ class TieredTableGroup:
                 if shard.virtual is None:
                     continue
                 uniq, inverse = uniques[index]
+                values = None
+                if shard.virtual.eviction.rule.kind is EvictionKind.SCORE:
+                    values = torch.bincount(inverse, minlength=len(uniq))
                 assigned = shard.virtual.assign(
                     uniq,
                     shard.cache,
@@ -443,6 +447,7 @@ class TieredTableGroup:
                     shard.weight_slots,
                     self._planned_batches,
                     batch.train,
+                    values,
                 )
                 made.append((index, uniq, assigned))
                 out[index] = (assigned.rows, inverse)

@@ -12,6 +12,14 @@ scans the live ids in rounds. The same rules here, per table shard:
   count is below the threshold (either 0: never);
 * ``FeatureL2NormBasedEvictionPolicy``: ids whose weights' L2 norm is below
   ``eviction_threshold`` (0: never);
+* ``FeatureScoreBasedEvictionPolicy``: each id trained adds its feature's score per value (what
+  TorchRec's ``enable_auto_feature_score_collection`` attaches to each value, from
+  ``feature_score_mapping`` or ``feature_score_default_value``); a round multiplies every live
+  id's score by ``decay_rate`` and keeps the ``training_id_keep_count`` highest (the lowest go
+  first, the least recently used first among equal scores), or fewer when the batch's new ids
+  need the room. So the table stays nearly full of the ids used most lately, where a threshold
+  on a count evicts every id used once since the last round. With ``eviction_ttl_mins`` set it
+  is a TTL rule, as TorchRec's docs say; ``enable_eviction=False``: never;
 * ``NoEvictionPolicy`` (or none): never.
 
 A round runs before a batch's new ids get rows, when the shard holds more than the policy's
@@ -27,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +45,7 @@ from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
     CountTimestampMixedEvictionPolicy,
     FeatureL2NormBasedEvictionPolicy,
+    FeatureScoreBasedEvictionPolicy,
     NoEvictionPolicy,
     TimestampBasedEvictionPolicy,
 )
@@ -54,6 +63,7 @@ class EvictionKind(str, enum.Enum):
     TTL = "ttl"
     MIXED = "mixed"
     L2 = "l2"
+    SCORE = "score"
 
 
 class UnsupportedEvictionPolicy(ValueError):
@@ -69,13 +79,20 @@ class EvictionRule:
     threshold: float = 0.0
     decay_rate: float = 1.0
     ttl_seconds: float = 0.0
+    # the score rule's: ids a round keeps, and what each value of the table's features adds
+    keep_count: int = 0
+    score: float = 0.0
 
     @classmethod
-    def from_policy(cls, table: str, policy: Any) -> EvictionRule:
+    def from_policy(cls, table: str, policy: Any, features: Sequence[str] = ()) -> EvictionRule:
+        """The rule ``policy`` (TorchRec's object, or None) sets for ``table``, whose
+        ``features`` the score rule reads its score for."""
         if policy is None or isinstance(policy, NoEvictionPolicy):
             return cls()
         trigger = int(getattr(policy, "training_id_eviction_trigger_count", 0) or 0)
-        if isinstance(policy, CountBasedEvictionPolicy):
+        if isinstance(policy, FeatureScoreBasedEvictionPolicy):
+            rule = cls._from_score_policy(table, policy, trigger, features)
+        elif isinstance(policy, CountBasedEvictionPolicy):
             rule = cls(
                 EvictionKind.COUNT,
                 trigger,
@@ -99,10 +116,11 @@ class EvictionRule:
                 f"virtual table {table!r}: virtual_table_eviction_policy="
                 f"{type(policy).__name__} is not supported on the tiers; use "
                 "CountBasedEvictionPolicy, TimestampBasedEvictionPolicy, "
-                "CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy or "
-                "NoEvictionPolicy"
+                "CountTimestampMixedEvictionPolicy, FeatureL2NormBasedEvictionPolicy, "
+                "FeatureScoreBasedEvictionPolicy or NoEvictionPolicy"
             )
-        if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED) and not 0 < rule.decay_rate <= 1:
+        decays = (EvictionKind.COUNT, EvictionKind.MIXED, EvictionKind.SCORE)
+        if rule.kind in decays and not 0 < rule.decay_rate <= 1:
             raise UnsupportedEvictionPolicy(
                 f"virtual table {table!r}: decay_rate={rule.decay_rate} must be in (0, 1]"
             )
@@ -113,15 +131,73 @@ class EvictionRule:
             )
         return rule
 
+    @classmethod
+    def _from_score_policy(
+        cls,
+        table: str,
+        policy: FeatureScoreBasedEvictionPolicy,
+        trigger: int,
+        features: Sequence[str],
+    ) -> EvictionRule:
+        def refuse(why: str) -> UnsupportedEvictionPolicy:
+            return UnsupportedEvictionPolicy(
+                f"virtual table {table!r}: FeatureScoreBasedEvictionPolicy {why}"
+            )
+
+        if not policy.enable_eviction:
+            return cls()
+        if policy.eviction_ttl_mins:  # TorchRec: a TTL rule then, not a score one
+            return cls(EvictionKind.TTL, trigger, ttl_seconds=60.0 * policy.eviction_ttl_mins)
+        if not policy.enable_auto_feature_score_collection:
+            raise refuse(
+                "with enable_auto_feature_score_collection=False takes its scores from the "
+                "input's weights, which the tiers do not read; set it to True (scores from "
+                "feature_score_mapping)"
+            )
+        if policy.training_id_keep_count <= 0:
+            raise refuse(
+                f"needs training_id_keep_count > 0 (got {policy.training_id_keep_count}): the "
+                "ids a round keeps"
+            )
+        mapping = policy.feature_score_mapping or {}
+        default = policy.feature_score_default_value
+        scores: dict[str, float] = {}
+        for feature in features:
+            score = mapping.get(feature, default)
+            if score is None:
+                raise refuse(
+                    f"has no score for feature {feature!r}: add it to feature_score_mapping "
+                    "or set feature_score_default_value"
+                )
+            if not 0 <= float(score) < float("inf"):
+                raise refuse(
+                    f"gives feature {feature!r} the score {score}: use a finite score >= 0"
+                )
+            scores[feature] = float(score)
+        if len(set(scores.values())) > 1:
+            raise refuse(
+                f"gives the table's features different scores ({scores}); the tiers keep one "
+                "score a table"
+            )
+        return cls(
+            EvictionKind.SCORE,
+            trigger,
+            decay_rate=float(policy.decay_rate),
+            keep_count=int(policy.training_id_keep_count),
+            score=next(iter(scores.values()), 1.0 if default is None else float(default)),
+        )
+
     @property
     def columns(self) -> tuple[str, ...]:
         """What a state dict keeps of each row for this rule (its ``metadata`` columns): the
         statistics the rule reads, and the batches since the row was last used (eviction
-        spares recent rows); nothing when the rule never evicts."""
+        spares recent rows); nothing when the rule never evicts. The score rule keeps its
+        decayed score as ``count`` (the same decay per round as a count's)."""
         if not self.evicts:
             return ()
         stats = {
             EvictionKind.COUNT: ("count",),
+            EvictionKind.SCORE: ("count",),
             EvictionKind.TTL: ("last_used",),
             EvictionKind.MIXED: ("count", "last_used"),
         }.get(self.kind, ())
@@ -135,6 +211,8 @@ class EvictionRule:
             return self.ttl_seconds > 0
         if self.kind is EvictionKind.MIXED:
             return self.ttl_seconds > 0 and self.threshold > 0
+        if self.kind is EvictionKind.SCORE:
+            return self.keep_count > 0
         return self.threshold > 0
 
 
@@ -150,6 +228,7 @@ class ShardEviction:
     def __init__(self, rule: EvictionRule, capacity: int, clock: Clock = time.time) -> None:
         self.rule = rule
         self.clock = clock
+        # uses since made (count rules) or the decayed score (the score rule)
         self.count = np.zeros(capacity, dtype=np.float64)
         self.last_used = np.zeros(capacity, dtype=np.float64)
         # the batch (counted by ``batches``, from 1) that last used each row
@@ -158,17 +237,28 @@ class ShardEviction:
         self.rounds = 0
         self.evicted = 0
 
-    def touch(self, rows: I64) -> None:
-        """The batch being planned trains ``rows`` (unique): one more use each, used now."""
-        self.count[rows] += 1.0
+    def touch(self, rows: I64, values: I64 | None = None) -> None:
+        """The batch being planned trains ``rows`` (unique), with ``values`` values each (the
+        score rule's; one when not given): one more use each, used now."""
+        self.count[rows] += self._batch_scores(values) if self._scores else 1.0
         self.last_used[rows] = self.clock()
         self.last_batch[rows] = self.batches
 
-    def made(self, rows: I64) -> None:
-        """``rows`` hold new ids, used by the batch being planned: statistics start over."""
-        self.count[rows] = 0.0
+    def made(self, rows: I64, values: I64 | None = None) -> None:
+        """``rows`` hold new ids, used by the batch being planned: statistics start over (the
+        score rule's with this batch's score)."""
+        self.count[rows] = self._batch_scores(values) if self._scores else 0.0
         self.last_used[rows] = self.clock()
         self.last_batch[rows] = self.batches
+
+    @property
+    def _scores(self) -> bool:
+        return self.rule.kind is EvictionKind.SCORE
+
+    def _batch_scores(self, values: I64 | None) -> F64 | float:
+        if values is None:
+            return self.rule.score
+        return values.astype(np.float64) * self.rule.score
 
     def export(self, rows: I64) -> F64:
         """The rule's :attr:`EvictionRule.columns` of ``rows``, ``(len(rows), k)`` float64."""
@@ -207,18 +297,34 @@ class ShardEviction:
         return over_trigger or live + new > capacity
 
     def select(
-        self, live: I64, may_go: npt.NDArray[np.bool_], l2_norms: Callable[[I64], F64]
+        self,
+        live: I64,
+        may_go: npt.NDArray[np.bool_],
+        l2_norms: Callable[[I64], F64],
+        room: int = 0,
     ) -> I64:
         """One round over the ``live`` rows: every count decays, then the rows the rule
-        evicts among those that ``may_go`` are returned."""
+        evicts among those that ``may_go`` are returned (the score rule's: at least ``room``
+        of them, when that many may go)."""
         self.rounds += 1
         rule = self.rule
-        if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED):
+        if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED, EvictionKind.SCORE):
             self.count[live] *= rule.decay_rate
         rows = live[may_go]
-        go = self._goes(rows, l2_norms)
-        self.evicted += int(go.sum())
-        return rows[go]
+        if rule.kind is EvictionKind.SCORE:
+            gone = self._lowest(rows, max(len(live) - rule.keep_count, room))
+        else:
+            gone = rows[self._goes(rows, l2_norms)]
+        self.evicted += len(gone)
+        return gone
+
+    def _lowest(self, rows: I64, n: int) -> I64:
+        """The ``n`` of ``rows`` with the lowest scores, the least recently used first among
+        equal ones (then the lowest row: the same choice on every run)."""
+        if n <= 0:
+            return rows[:0]
+        order = np.lexsort((rows, self.last_batch[rows], self.count[rows]))
+        return rows[order[:n]]
 
     def _goes(self, rows: I64, l2_norms: Callable[[I64], F64]) -> npt.NDArray[np.bool_]:
         rule = self.rule

@@ -194,10 +194,12 @@ class VirtualRows:
         weight_slots: torch.Tensor,
         batch: int,
         train: bool = True,
+        values: torch.Tensor | None = None,
     ) -> AssignedRows:
         """The store rows of a batch's unique ``ids`` (shard-local ids), giving new ids free
         rows, after an eviction round when one is due; provisional ones when the batch is
-        evaluated (``train`` false, see the module doc). Refuses, with nothing assigned, a
+        evaluated (``train`` false, see the module doc). ``values``: how many of the batch's
+        values each id is (what a score rule adds up). Refuses, with nothing assigned, a
         batch whose new ids do not fit even after the round."""
         ids_np = ids.numpy()
         rows = self.id_map.lookup(ids_np)
@@ -211,7 +213,8 @@ class VirtualRows:
             due = self.eviction.rule.evicts and live + new > self.space.capacity
         if due:
             keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
-            self._evict_round(keep, cache, store, weight_slots, batch)
+            room = live + new - self.space.capacity
+            self._evict_round(keep, cache, store, weight_slots, batch, room)
         # (a round spares the batch's ids: their lookup still holds)
         assigned, made = self.id_map.assign(ids_np, OPTION, rows)
         provisional = self.provisional
@@ -234,9 +237,10 @@ class VirtualRows:
         fresh = np.zeros(len(assigned), dtype=np.bool_)
         fresh[made] = True
         fresh[kept] = True
-        self.eviction.touch(assigned[~fresh])
+        counts = None if values is None else values.numpy()
+        self.eviction.touch(assigned[~fresh], None if counts is None else counts[~fresh])
         if fresh.any():
-            self.eviction.made(assigned[fresh])
+            self.eviction.made(assigned[fresh], None if counts is None else counts[fresh])
             self.rows_made += int(fresh.sum())
         return AssignedRows(
             torch.from_numpy(assigned),
@@ -294,6 +298,7 @@ class VirtualRows:
         store: RowStore,
         weight_slots: torch.Tensor,
         batch: int,
+        room: int,
     ) -> None:
         _, live_rows = self.id_map.live()
         may_go = ~np.isin(live_rows, keep)
@@ -308,7 +313,7 @@ class VirtualRows:
         def l2_norms(rows: I64) -> npt.NDArray[np.float64]:
             return self._l2_norms(rows, cache, store, weight_slots)
 
-        gone = self.eviction.select(live_rows, may_go, l2_norms)
+        gone = self.eviction.select(live_rows, may_go, l2_norms, room)
         if not gone.size:
             return
         gone_ids = self.id_map.row_ids[gone].copy()

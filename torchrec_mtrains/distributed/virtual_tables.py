@@ -109,7 +109,9 @@ def check_virtual_tables(
             )
         if ps.sharding_type == ShardingType.ROW_WISE.value:
             _check_buckets(config, ps)
-        EvictionRule.from_policy(name, getattr(config, "virtual_table_eviction_policy", None))
+        EvictionRule.from_policy(
+            name, getattr(config, "virtual_table_eviction_policy", None), config.feature_names
+        )
         if hot_rows and name in hot_rows:
             raise VirtualTableError(
                 f"virtual table {name!r}: hot_rows cannot pin rows of a virtual table (its ids "
@@ -191,7 +193,9 @@ class VirtualSpec:
     @classmethod
     def of(cls, config: BaseEmbeddingConfig) -> VirtualSpec:
         policy = getattr(config, "virtual_table_eviction_policy", None)
-        return cls(row_init(config), EvictionRule.from_policy(config.name, policy))
+        return cls(
+            row_init(config), EvictionRule.from_policy(config.name, policy, config.feature_names)
+        )
 
 
 @dataclass(frozen=True)

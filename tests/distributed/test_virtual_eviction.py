@@ -1,0 +1,104 @@
+"""The score rule (TorchRec's ``FeatureScoreBasedEvictionPolicy``) of virtual tables, alone:
+what it reads from the policy, what it refuses, and which rows a round keeps. (Training with it,
+bit for bit against a reset FUSED table: ``test_virtual_tables.py`` and the sweep.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
+
+from torchrec_mtrains.distributed.virtual_eviction import (
+    EvictionKind,
+    EvictionRule,
+    ShardEviction,
+    UnsupportedEvictionPolicy,
+)
+
+
+def _policy(**kwargs: Any) -> FeatureScoreBasedEvictionPolicy:
+    settings: dict[str, Any] = {
+        "training_id_eviction_trigger_count": 8,
+        "training_id_keep_count": 4,
+        "decay_rate": 0.5,
+        "enable_auto_feature_score_collection": True,
+        "feature_score_mapping": {"f": 2.0},
+    }
+    return FeatureScoreBasedEvictionPolicy(**(settings | kwargs))
+
+
+def _no_norms(rows: Any) -> Any:
+    raise AssertionError("the score rule reads no weights")
+
+
+def test_the_rule_reads_trigger_keep_count_decay_and_the_features_score() -> None:
+    rule = EvictionRule.from_policy("t", _policy(), ["f"])
+    assert rule.kind is EvictionKind.SCORE and rule.evicts
+    assert (rule.trigger_count, rule.keep_count, rule.decay_rate, rule.score) == (8, 4, 0.5, 2.0)
+    assert rule.columns == ("count", "batches_ago")
+    default = _policy(feature_score_mapping={}, feature_score_default_value=3.0)
+    assert EvictionRule.from_policy("t", default, ["f", "g"]).score == 3.0
+    # as TorchRec says: a TTL set makes it a TTL rule; eviction off, none
+    ttl = EvictionRule.from_policy("t", _policy(eviction_ttl_mins=2), ["f"])
+    assert (ttl.kind, ttl.ttl_seconds, ttl.trigger_count) == (EvictionKind.TTL, 120.0, 8)
+    assert not EvictionRule.from_policy("t", _policy(enable_eviction=False), ["f"]).evicts
+
+
+@pytest.mark.parametrize(
+    ("settings", "features", "message"),
+    [
+        (
+            {"enable_auto_feature_score_collection": False},
+            ["f"],
+            "enable_auto_feature_score_collection=False takes its scores from the input's weights",
+        ),
+        ({"training_id_keep_count": 0}, ["f"], r"needs training_id_keep_count > 0 \(got 0\)"),
+        ({}, ["f", "g"], "has no score for feature 'g'"),
+        (
+            {"feature_score_mapping": {"f": 1.0}, "feature_score_default_value": 2.0},
+            ["f", "g"],
+            "different scores",
+        ),
+        ({"feature_score_mapping": {"f": -1.0}}, ["f"], "the score -1.0: use a finite score"),
+        ({"decay_rate": 1.5}, ["f"], r"decay_rate=1.5 must be in \(0, 1\]"),
+    ],
+)
+def test_what_the_rule_refuses_names_the_table_and_the_option(
+    settings: dict[str, Any], features: list[str], message: str
+) -> None:
+    with pytest.raises(UnsupportedEvictionPolicy, match=r"virtual table 't_v': .*" + message):
+        EvictionRule.from_policy("t_v", _policy(**settings), features)
+
+
+def test_a_round_decays_scores_and_keeps_the_highest_least_recent_going_first() -> None:
+    shard = ShardEviction(EvictionRule.from_policy("t", _policy(), ["f"]), capacity=10)
+    rows = np.arange(8, dtype=np.int64)
+    shard.batches = 1
+    # made by a batch of 3 values of rows 0-3 and 1 value of rows 4-7: scores 6 and 2
+    shard.made(rows, np.array([3, 3, 3, 3, 1, 1, 1, 1]))
+    assert shard.count[:8].tolist() == [6.0] * 4 + [2.0] * 4
+    shard.batches = 2
+    shard.touch(np.array([4, 5]), np.array([2, 1]))  # 2 + 4 and 2 + 2
+    assert shard.count[4:6].tolist() == [6.0, 4.0]
+    assert shard.due(live=9, new=0, capacity=10) and not shard.due(live=8, new=2, capacity=10)
+    may_go = np.ones(8, dtype=np.bool_)
+    may_go[0] = False  # a row the batch uses, or one in flight, never goes
+    gone = shard.select(rows, may_go, _no_norms)
+    # decayed: 3, 3, 3, 3, 3, 2, 1, 1; keep 4 of 8: rows 6 and 7 (1), 5 (2), then of the rows
+    # at 3 the one least recently used: row 1 (row 4 was used by batch 2)
+    assert gone.tolist() == [6, 7, 5, 1]
+    assert shard.count[:8].tolist() == [3.0, 3.0, 3.0, 3.0, 3.0, 2.0, 1.0, 1.0]
+    assert (shard.rounds, shard.evicted) == (1, 4)
+
+
+def test_a_round_frees_the_room_new_ids_need_when_that_is_more() -> None:
+    shard = ShardEviction(EvictionRule.from_policy("t", _policy(), ["f"]), capacity=6)
+    rows = np.arange(6, dtype=np.int64)
+    shard.made(rows, np.arange(1, 7))
+    gone = shard.select(rows, np.ones(6, dtype=np.bool_), _no_norms, room=3)
+    assert gone.tolist() == [0, 1, 2]  # keep 4 would free 2; the batch needs 3
+    # never more than may go
+    some = np.array([False, False, False, True, True, True])
+    assert len(shard.select(rows, some, _no_norms, room=5)) == 3
