@@ -44,6 +44,7 @@ from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
     CountTimestampMixedEvictionPolicy,
     FeatureL2NormBasedEvictionPolicy,
+    FeatureScoreBasedEvictionPolicy,
     NoEvictionPolicy,
     TimestampBasedEvictionPolicy,
 )
@@ -211,6 +212,7 @@ EVICTION_POLICIES = {
     "ttl": TimestampBasedEvictionPolicy,
     "mixed": CountTimestampMixedEvictionPolicy,
     "l2": FeatureL2NormBasedEvictionPolicy,
+    "score": FeatureScoreBasedEvictionPolicy,
 }
 """``model.virtual.eviction`` -> the TorchRec policy it configures."""
 
@@ -229,15 +231,19 @@ class VirtualTablesConfig:
             ``planner.max_live_rows.<table>`` does (which wins where both are set).
         total_num_buckets: TorchRec's buckets of the id space, which row-wise shards hold
             whole (null: the tables are planned table-wise).
-        eviction: none, count, ttl, mixed or l2 (TorchRec's ``CountBasedEvictionPolicy``,
-            ``TimestampBasedEvictionPolicy``, ``CountTimestampMixedEvictionPolicy``,
-            ``FeatureL2NormBasedEvictionPolicy``, ``NoEvictionPolicy``).
+        eviction: none, count, ttl, mixed, l2 or score (TorchRec's
+            ``CountBasedEvictionPolicy``, ``TimestampBasedEvictionPolicy``,
+            ``CountTimestampMixedEvictionPolicy``, ``FeatureL2NormBasedEvictionPolicy``,
+            ``FeatureScoreBasedEvictionPolicy`` with auto collection, every value scoring 1:
+            a round keeps the ``keep_count`` ids used most lately, ``NoEvictionPolicy``).
         trigger_count: a round runs before a batch once a table holds more ids than this
             (TorchRec's ``training_id_eviction_trigger_count``; 0: only when a batch's new ids
             do not fit).
         threshold: count and mixed: a decayed count below it goes; l2: a weight norm below it.
-        decay_rate: count and mixed: each round multiplies every count by it.
+        decay_rate: count, mixed and score: each round multiplies every count (score) by it.
         ttl_mins: ttl and mixed: ids last trained longer ago than this go.
+        keep_count: score: the ids a round keeps, per table shard (TorchRec's
+            ``training_id_keep_count``).
     """
 
     features: list[int] = field(default_factory=list)
@@ -248,6 +254,7 @@ class VirtualTablesConfig:
     threshold: float = 1.0
     decay_rate: float = 0.5
     ttl_mins: int = 0
+    keep_count: int = 0
 
     def check(self, sizes: list[int]) -> None:
         """Refuses features, bounds or a policy that do not fit the model's ``sizes``."""
@@ -285,6 +292,15 @@ class VirtualTablesConfig:
             )
         _check_count("model.virtual.trigger_count", self.trigger_count, 0)
         _check_count("model.virtual.ttl_mins", self.ttl_mins, 0)
+        score = self.eviction == "score"
+        _check_count(
+            "model.virtual.keep_count",
+            self.keep_count,
+            1 if score else 0,
+            "eviction=score keeps this many ids a table at each round: give a whole number >= 1"
+            if score
+            else "",
+        )
         if not (0.0 < self.decay_rate <= 1.0 and self.threshold >= 0.0):
             raise ConfigError(
                 f"model.virtual: decay_rate={self.decay_rate} must be in (0, 1] and "
@@ -308,6 +324,13 @@ class VirtualTablesConfig:
             settings.update(eviction_ttl_mins=self.ttl_mins)
         if kind is FeatureL2NormBasedEvictionPolicy:
             settings.update(eviction_threshold=self.threshold)
+        if kind is FeatureScoreBasedEvictionPolicy:
+            settings.update(
+                training_id_keep_count=self.keep_count,
+                decay_rate=self.decay_rate,
+                enable_auto_feature_score_collection=True,
+                feature_score_default_value=1.0,
+            )
         return kind(**settings)
 
 

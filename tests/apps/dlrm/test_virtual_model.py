@@ -68,6 +68,19 @@ def test_a_virtual_model_trains_on_raw_ids_evicts_and_reports(
     assert metrics["eval_auc"] is not None
 
 
+def test_the_score_policy_keeps_the_tables_near_full(tmp_path: Path) -> None:
+    """``model.virtual.eviction=score``: TorchRec's FeatureScoreBasedEvictionPolicy, a round
+    keeping the 400 ids scored highest once a table holds more than 600."""
+    score = ("model.virtual.eviction=score", "model.virtual.keep_count=400")
+    _run(tmp_path / "run", "run.steps=40", *score, "model.virtual.decay_rate=0.9")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for name in ("t_cat_0", "t_cat_1"):
+        table = metrics["tables"][name]
+        assert table["rows_evicted"] > 0 and table["eviction_rounds"] > 0
+        # (a round keeps 400; at most one batch of 64 new ids past the trigger of 600 waits)
+        assert 400 <= table["live_rows"] <= 600 + 64
+
+
 def test_a_run_resumed_from_a_chain_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> None:
     every = ("run.checkpoint_every=4", "run.full_checkpoint_every=3")
     _run(tmp_path / "whole", "run.steps=12", *every, "run.final_checkpoint=false")
@@ -135,6 +148,7 @@ def test_bad_virtual_settings_are_refused_naming_the_option() -> None:
         (("model.virtual.features=[0,0]",), r"model\.virtual\.features=\[0, 0\]"),
         (("model.virtual.features=[0]", "model.virtual.max_live_rows=[]"), "max_live_rows"),
         (("model.virtual.eviction=lru",), r"model\.virtual\.eviction='lru'"),
+        (("model.virtual.eviction=score",), r"model\.virtual\.keep_count=0"),
         (("model.virtual.total_num_buckets=3",), "total_num_buckets=3 must divide"),
         (("model.virtual.features=[0,2]",), r"800 for t_cat_2 exceeds its id space"),
     ]
