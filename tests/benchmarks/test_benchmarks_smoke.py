@@ -403,8 +403,11 @@ def test_w3_smoke(tmp_path: Path) -> None:
     assert result["thp"] and "huge pages for tensors (THP_MEM_ALLOC_ENABLE=1): on" in done.stdout
     tables = result["ours"]["tables"]
     assert set(tables) == {"user", "item"}
+    assert result["args"]["eviction"] == "score"  # TorchRec's keep-the-highest-scored policy
     for name, stats in tables.items():  # the bound held: ids past it were evicted
         assert stats["live_rows"] <= 1500 and stats["rows_evicted"] > 0
+        # a round keeps 0.75 of the bound (1,125), and at most 0.95 (1,425) wait for the next
+        assert 1125 <= stats["live_rows"] <= 1425 + 95
         assert stats["rows_made"] == stats["live_rows"] + stats["rows_evicted"]
         # every distinct id was made at least once (ids seen only in the check are not)
         assert 0 < result["distinct_ids"][name] <= stats["rows_made"]
