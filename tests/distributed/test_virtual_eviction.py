@@ -87,10 +87,27 @@ def test_a_round_decays_scores_and_keeps_the_highest_least_recent_going_first() 
     may_go[0] = False  # a row the batch uses, or one in flight, never goes
     gone = shard.select(rows, may_go, _no_norms)
     # decayed: 3, 3, 3, 3, 3, 2, 1, 1; keep 4 of 8: rows 6 and 7 (1), 5 (2), then of the rows
-    # at 3 the one least recently used: row 1 (row 4 was used by batch 2)
-    assert gone.tolist() == [6, 7, 5, 1]
+    # at 3 the one least recently used (row 4 was used by batch 2) with the lowest id: row 1
+    assert gone.tolist() == [1, 5, 6, 7]
     assert shard.count[:8].tolist() == [3.0, 3.0, 3.0, 3.0, 3.0, 2.0, 1.0, 1.0]
     assert (shard.rounds, shard.evicted) == (1, 4)
+
+
+def test_ties_go_by_last_use_then_id_whatever_the_rows_order() -> None:
+    """A reload may give ids other rows: the choice is the same (by score, last use, id)."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n_rows = int(rng.integers(1, 300))
+        shard = ShardEviction(EvictionRule.from_policy("t", _policy(), ["f"]), capacity=n_rows)
+        shard.count[:] = rng.integers(0, 4, n_rows)  # many equal scores
+        shard.last_batch[:] = rng.integers(0, 3, n_rows)
+        ids = rng.permutation(10 * n_rows)[:n_rows]
+        rows = rng.permutation(n_rows).astype(np.int64)
+        room = int(rng.integers(0, n_rows + 2))
+        gone = shard.select(rows, np.ones(n_rows, dtype=np.bool_), _no_norms, room, ids[rows])
+        order = np.lexsort((ids, shard.last_batch, shard.count))  # by row = position here
+        want = max(n_rows - 4, room)
+        assert sorted(gone.tolist()) == sorted(order[:want].tolist())
 
 
 def test_a_round_frees_the_room_new_ids_need_when_that_is_more() -> None:

@@ -16,8 +16,8 @@ scans the live ids in rounds. The same rules here, per table shard:
   TorchRec's ``enable_auto_feature_score_collection`` attaches to each value, from
   ``feature_score_mapping`` or ``feature_score_default_value``); a round multiplies every live
   id's score by ``decay_rate`` and keeps the ``training_id_keep_count`` highest (the lowest go
-  first, the least recently used first among equal scores), or fewer when the batch's new ids
-  need the room. So the table stays nearly full of the ids used most lately, where a threshold
+  first, the least recently used first among equal scores, then the lowest id: the same
+  choice after a reload), or fewer when the batch's new ids need the room. So the table stays nearly full of the ids used most lately, where a threshold
   on a count evicts every id used once since the last round. With ``eviction_ttl_mins`` set it
   is a TTL rule, as TorchRec's docs say; ``enable_eviction=False``: never;
 * ``NoEvictionPolicy`` (or none): never.
@@ -302,29 +302,25 @@ class ShardEviction:
         may_go: npt.NDArray[np.bool_],
         l2_norms: Callable[[I64], F64],
         room: int = 0,
+        ids: I64 | None = None,
     ) -> I64:
-        """One round over the ``live`` rows: every count decays, then the rows the rule
-        evicts among those that ``may_go`` are returned (the score rule's: at least ``room``
-        of them, when that many may go)."""
+        """One round over the ``live`` rows (holding ``ids``, the score rule's last tie-break;
+        the rows themselves when not given): every count decays, then the rows the rule evicts
+        among those that ``may_go`` are returned (the score rule's: at least ``room`` of them,
+        when that many may go)."""
         self.rounds += 1
         rule = self.rule
         if rule.kind in (EvictionKind.COUNT, EvictionKind.MIXED, EvictionKind.SCORE):
             self.count[live] *= rule.decay_rate
         rows = live[may_go]
         if rule.kind is EvictionKind.SCORE:
-            gone = self._lowest(rows, max(len(live) - rule.keep_count, room))
+            n = max(len(live) - rule.keep_count, room)
+            keys = (self.count[rows], self.last_batch[rows], (live if ids is None else ids)[may_go])
+            gone = rows[_smallest(keys, n)]
         else:
             gone = rows[self._goes(rows, l2_norms)]
         self.evicted += len(gone)
         return gone
-
-    def _lowest(self, rows: I64, n: int) -> I64:
-        """The ``n`` of ``rows`` with the lowest scores, the least recently used first among
-        equal ones (then the lowest row: the same choice on every run)."""
-        if n <= 0:
-            return rows[:0]
-        order = np.lexsort((rows, self.last_batch[rows], self.count[rows]))
-        return rows[order[:n]]
 
     def _goes(self, rows: I64, l2_norms: Callable[[I64], F64]) -> npt.NDArray[np.bool_]:
         rule = self.rule
@@ -339,3 +335,26 @@ class ShardEviction:
         if rule.kind is EvictionKind.L2:
             return l2_norms(rows) < rule.threshold
         return np.zeros(rows.shape, dtype=np.bool_)
+
+
+def _smallest(keys: tuple[npt.NDArray[Any], ...], n: int) -> I64:
+    """Positions of the ``n`` smallest entries by ``keys`` (the first key first, the next
+    among its equals, ...; the last key distinct), in position order. A partition per key,
+    linear in the entries, where a sort of a round's ~250,000 rows took 60 ms."""
+    left = np.arange(len(keys[0]), dtype=np.int64)
+    if n >= len(left):
+        return left
+    chosen = np.zeros(len(left), dtype=np.bool_)
+    for key in keys:
+        if n <= 0:
+            break
+        values = key[left]
+        kth = np.partition(values, n - 1)[n - 1]
+        below = left[values < kth]
+        chosen[below] = True
+        n -= len(below)
+        left = left[values == kth]
+        if n >= len(left):
+            chosen[left] = True
+            break
+    return np.flatnonzero(chosen).astype(np.int64)

@@ -300,7 +300,7 @@ class VirtualRows:
         batch: int,
         room: int,
     ) -> None:
-        _, live_rows = self.id_map.live()
+        live_ids, live_rows = self.id_map.live()
         may_go = ~np.isin(live_rows, keep)
 
         slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
@@ -313,7 +313,7 @@ class VirtualRows:
         def l2_norms(rows: I64) -> npt.NDArray[np.float64]:
             return self._l2_norms(rows, cache, store, weight_slots)
 
-        gone = self.eviction.select(live_rows, may_go, l2_norms, room)
+        gone = self.eviction.select(live_rows, may_go, l2_norms, room, live_ids)
         if not gone.size:
             return
         gone_ids = self.id_map.row_ids[gone].copy()
