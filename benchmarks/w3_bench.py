@@ -16,8 +16,8 @@ Variants, in this process, from the same dense initial weights:
   TorchRec's ``FeatureScoreBasedEvictionPolicy`` with auto collection (``--eviction score``,
   the default: every value scores 1; a round once the table holds more than 95% of the bound
   decays the scores by ``--decay-rate``, 0.99, and keeps the ``--keep-share`` (0.75) of the
-  bound scored highest: eval NE 0.8113 against 0.8205 with the count rule below, in a
-  throwaway 20,000-step run at 10**9 ids), or ``CountBasedEvictionPolicy`` (``--eviction
+  bound scored highest: eval NE 0.8108 against 0.8205 with the count rule below and 0.8170
+  for A'' at 10**9 ids, docs/benchmarks.md), or ``CountBasedEvictionPolicy`` (``--eviction
   count``: a round once the table holds more than 90% of the bound, or when a batch does not
   fit, evicting ids whose count decayed by ``--decay-rate``, 0.9, falls below
   ``--eviction-threshold``, 1), trained by the look-ahead pipeline (the next ``--lookahead``
