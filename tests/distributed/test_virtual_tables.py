@@ -116,6 +116,8 @@ def test_row_and_table_wise_on_two_ranks(tmp_path: Path) -> None:
         # 3 buckets over 2 ranks: rank 0 takes two, its store a larger share
         VirtualCase(sharding="rw", buckets=3, num_embeddings=3 * 2**38, max_live_rows=400),
         VirtualCase(sharding="rw", eviction="count", max_live_rows=200, steps=20),
+        # (TorchRec's row-wise lookup would pack the scores beside the weights: the sweep found)
+        VirtualCase(sharding="rw", eviction="score", weighted=True, max_live_rows=200, steps=20),
     ]
     per_rank = spawn_cases(cases, 2, tmp_path)
     for rank, results in enumerate(per_rank):

@@ -113,6 +113,11 @@ class _TieredLookupMixin(_LookupBase):
         object.__setattr__(self, "_tier_storage", storage)
         object.__setattr__(self, "_tier_options", dict(table_options))
         super().__init__(**kwargs)
+        # Feature scores never travel in the input's weights here (see _TieredShardedMixin):
+        # a weighted group's weights reach its kernel as they are, not packed beside scores.
+        collections = getattr(self, "_feature_score_auto_collections", None)  # TorchRec >= 1.8
+        if collections is not None:
+            object.__setattr__(self, "_feature_score_auto_collections", [False] * len(collections))
 
     def prefetch(
         self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
