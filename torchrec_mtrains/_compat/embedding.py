@@ -231,6 +231,26 @@ EC_CONFIGS = declare(
     breaks="tiered tables cannot be skipped by TorchRec's reset (they have no weight).",
 )
 
+SCORE_COLLECTION = declare(
+    _EC,
+    "_enabled_feature_score_auto_collection",
+    Use.READ,
+    reaches="whether the module's input distribution puts each value's feature score "
+    "(``FeatureScoreBasedEvictionPolicy`` with auto collection) in the input's weights; "
+    "TorchRec 1.8's EBC sets it too.",
+    breaks="every kernel of the module pools by the scores (0.0 for tables without the "
+    "policy), and a weighted EBC's input is refused.",
+)
+
+SCORE_ACCUMULATION = declare(
+    _EC,
+    "_enable_feature_score_weight_accumulation",
+    Use.READ,
+    reaches="whether the EC's deduplicated input sums its weights as feature scores; "
+    "TorchRec 1.8's EBC sets it too.",
+    breaks="an EC's weights would be summed per unique id as scores.",
+)
+
 # ---------------------------------------------------------------------------- shardings
 
 SHARDING_PG = declare(
@@ -407,6 +427,17 @@ def module_shardings(module: ShardedEmbeddingModule) -> list[Any]:
     if _is_ebc(module):
         return list(private_attr(module, EBC_SHARDINGS))
     return list(private_attr(module, EC_SHARDINGS).values())
+
+
+@reaches(SCORE_COLLECTION, SCORE_ACCUMULATION)
+def keep_feature_scores_out_of_weights(module: ShardedEmbeddingModule) -> None:
+    """Turns off TorchRec's collection of feature scores into the sharded module's input
+    weights (the tiers read the scores from the policy: see
+    :mod:`torchrec_mtrains.distributed.virtual_eviction`). TorchRec 1.6.1's EBC has neither
+    setting."""
+    for record in (SCORE_COLLECTION, SCORE_ACCUMULATION):
+        if has_private_attr(module, record):
+            set_private_attr(module, record, False)
 
 
 @reaches(LOOKUPS)

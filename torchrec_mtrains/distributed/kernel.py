@@ -63,6 +63,7 @@ from torchrec_mtrains.distributed.sharded_state import (
     swap_aliases,
 )
 from torchrec_mtrains.distributed.tiered_tables import ResidentTable, TieredTableGroup
+from torchrec_mtrains.distributed.virtual_eviction import EvictionKind
 from torchrec_mtrains.distributed.virtual_state import (
     EVICTED_KEY,
     ID_KEY,
@@ -333,6 +334,9 @@ class _TieredKernelMixin(_KernelBase):
     _optim: _TierBackedFusedOptimizer
     tiers: TieredTableGroup
     training: bool
+    # TorchRec 1.8's row-wise lookup hands a weighted group with a score-evicted virtual table
+    # its weights as (weight, score) pairs (see _pooling_weights)
+    _packs_scores: bool = False
 
     def _init_tiers(
         self,
@@ -466,7 +470,7 @@ class _TieredKernelMixin(_KernelBase):
         return KeyedJaggedTensor(
             keys=features.keys(),
             values=slots,
-            weights=features.weights_or_none(),
+            weights=self._pooling_weights(features.weights_or_none()),
             lengths=features.lengths(),
             offsets=features.offsets(),
             stride=None if variable else features.stride(),
@@ -475,6 +479,15 @@ class _TieredKernelMixin(_KernelBase):
             offset_per_key=features.offset_per_key(),
             inverse_indices=features.inverse_indices_or_none(),
         )
+
+    def _pooling_weights(self, weights: torch.Tensor | None) -> torch.Tensor | None:
+        """The per-value weights fbgemm pools by. Where a group holds a table evicted by
+        ``FeatureScoreBasedEvictionPolicy``, TorchRec 1.8's lookup packs each weight beside a
+        score into one float64 (as its virtual-table kernels expect; the tiers turn the
+        collection off, so the score is the weight again): the weight is the first half."""
+        if self._packs_scores and weights is not None and weights.dtype == torch.float64:
+            return weights.view(torch.float32).reshape(-1, 2)[:, 0].contiguous()
+        return weights
 
     def _watch_backward(self, out: torch.Tensor) -> torch.Tensor:
         if out.requires_grad:
@@ -607,6 +620,9 @@ class TieredEmbeddingBag(
         # A virtual table's kernel is built on its store's rows (see virtual_tables).
         config, spaces = physical_config(config, table_options)
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        self._packs_scores = any(
+            space.spec.eviction.kind is EvictionKind.SCORE for space in spaces.values()
+        )
         module, options = _build_cache_module(
             config,
             compat.kernel_local_cols(self),

@@ -113,11 +113,6 @@ class _TieredLookupMixin(_LookupBase):
         object.__setattr__(self, "_tier_storage", storage)
         object.__setattr__(self, "_tier_options", dict(table_options))
         super().__init__(**kwargs)
-        # Feature scores never travel in the input's weights here (see _TieredShardedMixin):
-        # a weighted group's weights reach its kernel as they are, not packed beside scores.
-        collections = getattr(self, "_feature_score_auto_collections", None)  # TorchRec >= 1.8
-        if collections is not None:
-            object.__setattr__(self, "_feature_score_auto_collections", [False] * len(collections))
 
     def prefetch(
         self, sparse_features: KeyedJaggedTensor, forward_stream: Any | None = None
@@ -195,8 +190,7 @@ class _TieredShardedMixin(_ShardedBase):
         # (see virtual_eviction). TorchRec's auto collection would put them in the input's
         # weights, which every kernel of the module pools by, fbgemm's FUSED ones included
         # (0.0 for tables without the policy), and would refuse a weighted EBC's input.
-        self._enabled_feature_score_auto_collection = False
-        self._enable_feature_score_weight_accumulation = False
+        compat.keep_feature_scores_out_of_weights(self)
 
     def _configs(self) -> list[BaseEmbeddingConfig]:
         return compat.table_configs(self)
