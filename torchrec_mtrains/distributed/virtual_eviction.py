@@ -17,9 +17,10 @@ scans the live ids in rounds. The same rules here, per table shard:
   ``feature_score_mapping`` or ``feature_score_default_value``); a round multiplies every live
   id's score by ``decay_rate`` and keeps the ``training_id_keep_count`` highest (the lowest go
   first, the least recently used first among equal scores, then the lowest id: the same
-  choice after a reload), or fewer when the batch's new ids need the room. So the table stays nearly full of the ids used most lately, where a threshold
-  on a count evicts every id used once since the last round. With ``eviction_ttl_mins`` set it
-  is a TTL rule, as TorchRec's docs say; ``enable_eviction=False``: never;
+  choice after a reload), or fewer when the batch's new ids need more room. So the table stays
+  nearly full of the ids used most lately, where a threshold on a count evicts every id used
+  once since the last round. With ``eviction_ttl_mins`` set it is a TTL rule, as TorchRec's
+  docs say; ``enable_eviction=False``: never;
 * ``NoEvictionPolicy`` (or none): never.
 
 A round runs before a batch's new ids get rows, when the shard holds more than the policy's
