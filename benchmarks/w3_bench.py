@@ -227,12 +227,12 @@ def eviction_policy(args: argparse.Namespace) -> VirtualTableEvictionPolicy:
         return CountBasedEvictionPolicy(
             training_id_eviction_trigger_count=int(0.9 * args.live_rows),
             eviction_threshold=args.eviction_threshold,
-            decay_rate=0.9 if args.decay_rate is None else args.decay_rate,
+            decay_rate=args.decay_rate,
         )
     return FeatureScoreBasedEvictionPolicy(
         training_id_eviction_trigger_count=int(0.95 * args.live_rows),
         training_id_keep_count=int(args.keep_share * args.live_rows),
-        decay_rate=0.99 if args.decay_rate is None else args.decay_rate,
+        decay_rate=args.decay_rate,
         enable_auto_feature_score_collection=True,
         feature_score_default_value=1.0,
     )
@@ -786,6 +786,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
+    if args.decay_rate is None:  # (recorded as applied)
+        args.decay_rate = 0.99 if args.eviction == "score" else 0.9
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="w3-", dir=args.dir))
     try:

@@ -403,7 +403,8 @@ def test_w3_smoke(tmp_path: Path) -> None:
     assert result["thp"] and "huge pages for tensors (THP_MEM_ALLOC_ENABLE=1): on" in done.stdout
     tables = result["ours"]["tables"]
     assert set(tables) == {"user", "item"}
-    assert result["args"]["eviction"] == "score"  # TorchRec's keep-the-highest-scored policy
+    # TorchRec's keep-the-highest-scored policy, its decay recorded as applied
+    assert (result["args"]["eviction"], result["args"]["decay_rate"]) == ("score", 0.99)
     for name, stats in tables.items():  # the bound held: ids past it were evicted
         assert stats["live_rows"] <= 1500 and stats["rows_evicted"] > 0
         # a round keeps 0.75 of the bound (1,125), and at most 0.95 (1,425) wait for the next
