@@ -4,8 +4,9 @@
   and written, page faults, CPU time); :func:`thread_cpu_seconds` splits CPU time by thread
   role (training thread, tier I/O workers, the rest), or their time in the kernel.
 * :func:`drop_file_cache` evicts files from the page cache, so one run cannot warm the next.
-* :func:`add_malloc_option` and :func:`apply_malloc_option`: every variant trains with the same C allocator settings
-  (:mod:`torchrec_mtrains.malloc`), as the DLRM app's ``run.malloc_trim_threshold`` sets them.
+* :func:`add_malloc_option` and :func:`apply_malloc_option`: every variant trains with the same
+  C allocator settings (:mod:`torchrec_mtrains.malloc`), as the DLRM app's
+  ``run.malloc_trim_threshold`` sets them.
 * :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
   against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
   what it measured.
