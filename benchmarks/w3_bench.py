@@ -57,9 +57,15 @@ starts itself again with it set; ``--no-thp`` runs without): PyTorch then backs 
 with transparent huge pages. Without them the speed of A' moved ~2x from run to run and window to
 window here (0.64M to 2.3M samples/s), ours' much less.
 
+On ``--device cuda`` (NCCL) every model computes on the GPU: A''s hashed tables in HBM, the
+caches of ours and A'' in HBM with their rows on the tier in host memory or files; the checks
+then hold the losses within ``1e-6`` relative (the tolerance of the CUDA parity tests), and
+every timed window ends with a device synchronize.
+
 Run it::
 
     python -m benchmarks.w3_bench --out results/w3.json
+    python -m benchmarks.w3_bench --device cuda --steps 2000 --warmup 300 --out results/gpu/w3.json
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ from torchrec_mtrains.distributed import (
     TieredTableOptions,
     TierStorage,
 )
-from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.distributed.runtime import process_group, with_index
 from torchrec_mtrains.initializers import IdSeededUniform, splitmix64
 from torchrec_mtrains.malloc import DEFAULT_TRIM_THRESHOLD
 from torchrec_mtrains.pipeline import LookaheadTrainPipeline, tier_stats, tiered_groups
@@ -138,6 +144,9 @@ FEATURES = ("user", "item")
 VARIANTS = ("A'", "A''", "ours")
 ID_SPACE = 2**40
 LEARNING_RATE = 0.05
+CUDA_LOSS_RTOL = 1e-6
+"""How far a loss may part from its reference's on CUDA (the CUDA parity tests' tolerance:
+fbgemm's CUDA kernels need not sum in one order); on the CPU they must be equal."""
 
 
 # ---------------------------------------------------------------------------------- data
@@ -209,12 +218,28 @@ class Model(nn.Module):
 
 
 def as_batch(raw: tuple[dict[str, torch.Tensor], torch.Tensor], modulo: int) -> Batch:
+    """A batch of the host (the look-ahead pipeline copies it to the device itself)."""
     ids, labels = raw
     return Batch(
         dense_features=torch.zeros(len(labels), 1),
         sparse_features=kjt(ids, modulo),
         labels=labels,
     )
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` copied to ``device`` (itself on the CPU)."""
+    return batch if device.type == "cpu" else batch.to(device, non_blocking=True)
+
+
+def compute_device(args: argparse.Namespace) -> torch.device:
+    """``--device``, with its index (``cuda`` is the current GPU)."""
+    return with_index(torch.device(args.device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _init(name: str, dim: int) -> IdSeededUniform:
@@ -290,7 +315,7 @@ def build(
             )
     return DistributedModelParallel(
         Model(ebc, args.dim),
-        device=torch.device("cpu"),
+        device=compute_device(args),
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],
     )
@@ -303,14 +328,14 @@ def build_managed_collisions(
     table of ``slots`` (default ``--live-rows``) slots, sharded by TorchRec's managed-collision
     sharder over ours, the table on ``--tier`` behind a cache of ``--cache-load-factor`` of it,
     as ours. With ``root`` None, over TorchRec's own sharder (FUSED), the reset of new ids'
-    rows given the effect fbgemm's CUDA kernel has (the check's reference)."""
+    rows given on the CPU the effect fbgemm's CUDA kernel has (the check's reference)."""
     slots = slots or args.live_rows
     configs = _table_configs(args, slots)
-    cpu = torch.device("cpu")
+    device = compute_device(args)
     remappers = {
         f: MCHManagedCollisionModule(
             zch_size=slots,
-            device=cpu,
+            device=device,
             eviction_policy=DistanceLFU_EvictionPolicy(),
             eviction_interval=args.mc_eviction_interval,
             input_hash_size=ID_SPACE,
@@ -318,7 +343,7 @@ def build_managed_collisions(
         for f in FEATURES
     }
     mc = ManagedCollisionEmbeddingBagCollection(
-        EmbeddingBagCollection(configs, device=cpu),
+        EmbeddingBagCollection(configs, device=device),
         ManagedCollisionCollection(remappers, embedding_configs=configs),
         return_remapped_features=False,
     )
@@ -341,9 +366,9 @@ def build_managed_collisions(
                 TieredTableOptions(tier=args.tier, cache_load_factor=args.cache_load_factor),
             )
     model = DistributedModelParallel(
-        Model(mc, args.dim), device=cpu, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+        Model(mc, args.dim), device=device, plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
     )
-    if root is None:
+    if root is None and device.type == "cpu":
         for tbe, _ in model.module.ebc._table_to_tbe_and_index.values():
             reset_rows_on_cpu(tbe)
     return model
@@ -352,9 +377,10 @@ def build_managed_collisions(
 def step(
     model: DistributedModelParallel, opt: torch.optim.Optimizer, batch: Any, modulo: int
 ) -> torch.Tensor:
-    """One step of the plain loop (the fused tables update inside backward)."""
+    """One step of the plain loop (the fused tables update inside backward), on the model's
+    device."""
     opt.zero_grad()
-    loss, _ = model(as_batch(batch, modulo))
+    loss, _ = model(on_device(as_batch(batch, modulo), model.device))
     torch.autograd.backward(loss)
     opt.step()
     return loss.detach()
@@ -388,7 +414,7 @@ def evaluate(
     model.eval()  # (a managed-collision module then places no new id)
     with torch.no_grad():
         for raw in batches:
-            logits.append(model(as_batch(raw, modulo))[1][1])
+            logits.append(model(on_device(as_batch(raw, modulo), model.device))[1][1].cpu())
             labels.append(raw[1])
     model.train()
     return ne_and_auc(torch.cat(logits), torch.cat(labels))
@@ -430,13 +456,13 @@ def _same_losses(
 ) -> None:
     stream = Stream(args, seed=99, ids_below=args.check_rows)
     o_opt, r_opt = dense_optimizer(ours), dense_optimizer(ref)
+    rtol = CUDA_LOSS_RTOL if ours.device.type == "cuda" else 0.0
     for i in range(steps):
         batch = stream.batch()
-        a, b = step(ref, r_opt, batch, 0), step(ours, o_opt, batch, 0)
-        if not torch.equal(a, b):
-            raise SystemExit(
-                f"check failed at step {i}: {ref_name} loss {float(a)} != {name} {float(b)}"
-            )
+        a, b = float(step(ref, r_opt, batch, 0)), float(step(ours, o_opt, batch, 0))
+        if a != b and abs(a - b) > rtol * abs(a):
+            within = f" (beyond {rtol:g} relative)" if rtol else ""
+            raise SystemExit(f"check failed at step {i}: {ref_name} loss {a} != {name} {b}{within}")
 
 
 def dram_bytes(
@@ -517,7 +543,7 @@ def run_side_by_side(
     pipeline: LookaheadTrainPipeline[Batch, Any] | None = None
     if args.lookahead:  # ours: the rows of the next batches made and read meanwhile
         pipeline = LookaheadTrainPipeline(
-            models["ours"], opts["ours"], torch.device("cpu"), lookahead=args.lookahead
+            models["ours"], opts["ours"], compute_device(args), lookahead=args.lookahead
         )
     ours_batches = iter(as_batch(raw, 0) for raw in batches)
 
@@ -540,6 +566,7 @@ def run_side_by_side(
             if variant == "ours" and i % every == 0:
                 rows = sum(int(s["live_rows"]) for s in tier_stats(models["ours"]).values())
                 live.append((args.warmup + i, rows))
+        _sync(models[variant].device)
         took = time.perf_counter() - started
         seconds[variant] += took
         windows[variant].append((end - first) * args.batch_size / took)
@@ -774,6 +801,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-rows", type=int, default=2**12)
     parser.add_argument("--check-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where every model computes (cuda: NCCL; caches and A''s tables in HBM)",
+    )
     parser.add_argument("--dir", default=None, help="where tier files go (default: a temp dir)")
     add_malloc_option(parser, DEFAULT_TRIM_THRESHOLD)
     parser.add_argument(
@@ -790,16 +823,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.decay_rate = 0.99 if args.eviction == "score" else 0.9
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="w3-", dir=args.dir))
+    device = compute_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    equal = (
+        f"losses within {CUDA_LOSS_RTOL:g} relative" if device.type == "cuda" else "losses equal"
+    )
     try:
-        with process_group(torch.device("cpu"), backend="gloo"):
+        # (on CUDA, gloo beside NCCL for the checkpoints' host tensors, as the CUDA tests run)
+        with process_group(
+            device, backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        ):
             checked = check(args, root)
             print(
-                f"check: ours = FUSED over {args.check_rows:,} rows per table for {checked} steps: losses equal"
+                f"check: ours = FUSED over {args.check_rows:,} rows per table for {checked} steps: {equal}"
             )
             steps, slots = check_managed_collisions(args, root)
             print(
                 f"check: A'' = TorchRec's managed collisions over FUSED ({slots:,} slots per "
-                f"table, ids below {args.check_rows:,}) for {steps} steps: losses equal"
+                f"table, ids below {args.check_rows:,}) for {steps} steps: {equal}"
             )
             eval_stream = Stream(args, seed=2)
             eval_batches = [eval_stream.batch() for _ in range(args.eval_batches)]
@@ -829,7 +871,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"max {ratios[-1]:.2f}"
         )
     print(
-        f"host memory of the embeddings (the tier aside): A' {a['dram_bytes'] / 2**20:,.1f} MiB, "
+        (
+            "memory of the embeddings (tables and caches in HBM, maps on the host; the tier aside)"
+            if args.device == "cuda"
+            else "host memory of the embeddings (the tier aside)"
+        )
+        + f": A' {a['dram_bytes'] / 2**20:,.1f} MiB, "
         f"A'' {mc['dram_bytes'] / 2**20:,.1f} MiB, ours {ours['dram_bytes'] / 2**20:,.1f} MiB "
         f"(caches of {args.cache_load_factor:g} x the tables' rows, their slot state and maps; "
         "ours' id maps; the remapping tensors of A'')"

@@ -258,10 +258,17 @@ def test_gpu_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
 
 def test_gpu_check_runs_the_cuda_tests_then_the_benchmark_into_one_folder(tmp_path: Path) -> None:
     """The GPU host's one command, on the CPU: the CUDA tests (all skipped here), the benchmark
-    with the options given after the folder, every file the host's run brings back."""
+    with the options given after the folder, then W3 in the time kept for it (its options
+    overridden to run small on the CPU), every file the host's run brings back."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WORKERS": "1"}
     env["GPU_CHECK_TMP"] = str(tmp_path)
+    env["GPU_CHECK_W3_SECONDS"] = "60"
+    env["GPU_CHECK_W3_ARGS"] = (
+        "--device cpu --steps 4 --warmup 2 --window-steps 2 --batch-size 32 --vocab 2000 "
+        "--live-rows 400 --hash-rows 128 --dim 8 --cache-load-factor 0.5 --eval-batches 1 "
+        "--check-steps 2 --mc-eviction-interval 1 --increment-steps 2"
+    )
     args = ["--device", "cpu", "--smoke", "--variants", "A"]
     done = subprocess.run(
         ["bash", str(BENCH / "gpu_check.sh"), "200", str(out), *args],
@@ -270,12 +277,17 @@ def test_gpu_check_runs_the_cuda_tests_then_the_benchmark_into_one_folder(tmp_pa
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {
         "nvidia-smi.txt", "versions.txt", "cuda_tests.log", "cuda_tests.xml", "gpu.json",
-        "gpu.png", "gpu_bench.log", "summary.txt",
+        "gpu.png", "gpu_bench.log", "w3.json", "w3.png", "w3.log", "summary.txt",
     }  # fmt: skip
     assert "skipped" in (out / "cuda_tests.log").read_text()
     runs = json.loads((out / "gpu.json").read_text())["batches"]["256"]
     assert runs["A"]["ok"] and "profile" in runs["A"]
-    assert (out / "summary.txt").read_text().startswith("cuda tests: exit 0; gpu_bench: exit 0")
+    assert (
+        (out / "summary.txt")
+        .read_text()
+        .startswith("cuda tests: exit 0; gpu_bench: exit 0; w3: exit 0 (60 s kept)")
+    )
+    assert json.loads((out / "w3.json").read_text())["args"]["steps"] == 4  # the override
 
 
 def test_gpu_bench_reports_no_figure_of_a_variant_that_trains_another_model(
@@ -366,22 +378,26 @@ def test_tier_bench_smoke_compares_the_engines(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["engines.json"]  # work file removed
 
 
-def test_w3_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_w3_smoke(device: str, tmp_path: Path) -> None:
     out = tmp_path / "w3.json"
+    # on CUDA the losses are held within the CUDA parity tests' tolerance
+    equal = "losses equal" if device == "cpu" else "losses within 1e-06 relative"
     done = _run(
         "w3_bench.py",
         # 22 batches of ~95 new ids a table: past the bound of 1,500 live rows
         *("--steps", "12", "--warmup", "10", "--batch-size", "256", "--vocab", "20000"),
         *("--window-steps", "5"),
         *("--live-rows", "1500", "--hash-rows", "512", "--dim", "16", "--eval-batches", "2"),
-        *("--cache-load-factor", "0.5"),
+        *("--cache-load-factor", "0.5", "--device", device),
         *("--out", str(out), "--dir", str(tmp_path)),
     )
-    assert "check: ours = FUSED over 4,096 rows per table for 10 steps: losses equal" in done.stdout
+    assert f"check: ours = FUSED over 4,096 rows per table for 10 steps: {equal}" in done.stdout
     assert (
         "check: A'' = TorchRec's managed collisions over FUSED (1,024 slots per table, ids below "
-        "4,096) for 30 steps: losses equal" in done.stdout
+        f"4,096) for 30 steps: {equal}" in done.stdout
     )
+    assert json.loads(out.read_text())["args"]["device"] == device
     result = json.loads(out.read_text())
     assert result["malloc"] == {"trim_threshold": 256 * 2**20}  # every variant, once built
     for variant in ("A'", "A''", "ours"):
@@ -398,7 +414,7 @@ def test_w3_smoke(tmp_path: Path) -> None:
     assert result["A''"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4) + 2 * 1500 * 16
     rate = result["A''"]["samples_per_s"]
     assert f"A''      {rate:10,.0f}" in done.stdout
-    assert "host memory of the embeddings" in done.stdout
+    assert ("host memory" if device == "cpu" else "HBM") in done.stdout
     # started again with huge pages for tensors, as W1's variants run
     assert result["thp"] and "huge pages for tensors (THP_MEM_ALLOC_ENABLE=1): on" in done.stdout
     tables = result["ours"]["tables"]
