@@ -81,6 +81,26 @@ def test_the_score_policy_keeps_the_tables_near_full(tmp_path: Path) -> None:
         assert 400 <= table["live_rows"] <= 600 + 64
 
 
+@pytest.mark.cuda
+def test_a_virtual_model_trains_on_cuda_and_resumes_on_the_cpu(tmp_path: Path) -> None:
+    """On a GPU: the virtual tables' caches in HBM, rows made and evicted on the host's tiers,
+    look-ahead 2, a checkpoint chain; the run then resumed on the CPU from it."""
+    run_dir = tmp_path / "run"
+    every = ("run.checkpoint_every=10", "pipeline.lookahead=2")
+    _run(run_dir, "run.device=cuda", "run.steps=40", *every)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for name in ("t_cat_0", "t_cat_1"):
+        table = metrics["tables"][name]
+        assert 0 < table["live_rows"] <= 800 and table["rows_evicted"] > 0
+    assert "hbm" in (run_dir / "plan.txt").read_text()
+    resumed = main(
+        compose_app(
+            *VIRTUAL, f"run.dir={run_dir}", "run.device=cpu", "run.resume=true", "run.steps=48"
+        )
+    )
+    assert resumed["resumed_from_step"] == 40 and resumed["steps"] == 48
+
+
 def test_a_run_resumed_from_a_chain_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> None:
     every = ("run.checkpoint_every=4", "run.full_checkpoint_every=3")
     _run(tmp_path / "whole", "run.steps=12", *every, "run.final_checkpoint=false")
