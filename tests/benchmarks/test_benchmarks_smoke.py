@@ -435,3 +435,21 @@ def test_w3_smoke(device: str, tmp_path: Path) -> None:
     assert checkpoint["bytes"] < 2 * 1500 * (16 * 4 + 4 + 8) * 1.5
     assert out.with_suffix(".png").stat().st_size > 0
     assert not list(tmp_path.glob("w3-*"))  # tier files removed
+
+
+def test_thread_contention_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "contention.json"
+    done = _run(
+        "thread_contention_bench.py",
+        *("--steps", "2", "--rounds", "2", "--warmup", "2", "--batch-size", "128"),
+        *("--hash-rows", "512", "--check-steps", "2", "--switch-interval", "0.001"),
+        *("--out", str(out)),
+    )
+    assert "losses equal to the steps alone" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["switch_interval_s"] == 0.001
+    assert set(result["median_ms_per_step"]) == {"alone", "compiled", "numpy", "python"}
+    assert all(len(v) == 2 for v in result["ms_per_step"].values())  # one per round
+    assert result["vs_alone"]["alone"] == 1.0
+    for name in ("alone", "compiled", "numpy", "python"):  # (no timing asserted: a smoke run)
+        assert f"\n{name:10} {result['median_ms_per_step'][name]:10.2f}" in done.stdout
