@@ -79,6 +79,7 @@ from torchrec_mtrains.benchmark.measure import (
     apply_malloc_option,
     machine_info,
     median_windows,
+    synchronize,
     target,
     write_json,
 )
@@ -154,11 +155,6 @@ def make_pipeline(spec: WorkerSpec, built: Built, device: torch.device) -> Any:
             built.model, built.dense_optimizer, device, lookahead=spec.lookahead
         )
     return TrainPipelineSparseDist(built.model, built.dense_optimizer, device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # fbgemm's set-associative cache may keep a few ways of some sets empty for long.
@@ -260,7 +256,7 @@ def _train(
     ):
         step()
         done += 1
-    _sync(device)
+    synchronize(device)
     out["warmup_s"] = time.perf_counter() - t0
     out["warmup_steps_done"] = done
     out["caches_full_before_timing"] = full()
@@ -274,11 +270,11 @@ def _train(
     uvm_before = _uvm_cache_stats(built)
     windows: list[float] = []
     for _ in range(spec.windows):
-        _sync(device)
+        synchronize(device)
         w0 = time.perf_counter()
         for _ in range(spec.window_steps):
             step()
-        _sync(device)
+        synchronize(device)
         windows.append(time.perf_counter() - w0)
         rate = spec.window_steps * wl.batch_size / windows[-1]
         print(f"[{spec.variant}] window {len(windows)}/{spec.windows}: {rate:,.0f} samples/s")
@@ -319,11 +315,11 @@ def _profile(step: Callable[[], None], steps: int, device: torch.device) -> str:
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(device)
+    synchronize(device)
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        synchronize(device)
     ops = prof.key_averages()
     # On CUDA both views: a step the device idles through is bound by the host's work.
     sorts = (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]

@@ -120,6 +120,7 @@ from apps.dlrm.data import ZipfRankSampler
 from torchrec_mtrains.benchmark.measure import (
     add_malloc_option,
     apply_malloc_option,
+    synchronize,
     thread_cpu_seconds,
 )
 from torchrec_mtrains.benchmark.references import reset_rows_on_cpu
@@ -235,11 +236,6 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
 def compute_device(args: argparse.Namespace) -> torch.device:
     """``--device``, with its index (``cuda`` is the current GPU)."""
     return with_index(torch.device(args.device))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _init(name: str, dim: int) -> IdSeededUniform:
@@ -566,7 +562,7 @@ def run_side_by_side(
             if variant == "ours" and i % every == 0:
                 rows = sum(int(s["live_rows"]) for s in tier_stats(models["ours"]).values())
                 live.append((args.warmup + i, rows))
-        _sync(models[variant].device)
+        synchronize(models[variant].device)
         took = time.perf_counter() - started
         seconds[variant] += took
         windows[variant].append((end - first) * args.batch_size / took)

@@ -235,7 +235,8 @@ class VirtualTablesConfig:
             ``CountBasedEvictionPolicy``, ``TimestampBasedEvictionPolicy``,
             ``CountTimestampMixedEvictionPolicy``, ``FeatureL2NormBasedEvictionPolicy``,
             ``FeatureScoreBasedEvictionPolicy`` with auto collection, every value scoring 1:
-            a round keeps the ``keep_count`` ids used most lately, ``NoEvictionPolicy``).
+            a round keeps the ``keep_count`` ids scored highest, their decayed uses, ties to
+            the most lately used; ``NoEvictionPolicy``).
         trigger_count: a round runs before a batch once a table holds more ids than this
             (TorchRec's ``training_id_eviction_trigger_count``; 0: only when a batch's new ids
             do not fit).

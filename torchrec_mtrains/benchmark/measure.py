@@ -7,6 +7,8 @@
 * :func:`add_malloc_option` and :func:`apply_malloc_option`: every variant trains with the same
   C allocator settings (:mod:`torchrec_mtrains.malloc`), as the DLRM app's
   ``run.malloc_trim_threshold`` sets them.
+* :func:`synchronize` waits for a CUDA device's queued work at a timed window's ends (nothing on
+  the CPU).
 * :func:`median_windows` turns timed windows into samples/s; :func:`target` records a figure
   against its target; :func:`machine_info` and :func:`write_json` record what a run ran on and
   what it measured.
@@ -28,6 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from torchrec_mtrains.distributed.tier_io import WORKER_THREAD_PREFIX
 from torchrec_mtrains.malloc import (
@@ -219,6 +223,13 @@ def machine_info() -> dict[str, Any]:
 def write_json(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (a CUDA device; nothing to wait for on the CPU), so a
+    window timed on the host holds the work it launched."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def thread_cpu_seconds(kernel_only: bool = False) -> dict[str, float]:
