@@ -34,6 +34,7 @@ from lookahead_harness import (
 )
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_mtrains
@@ -173,6 +174,53 @@ def test_restart_with_a_new_iterator_continues_the_same_run(tmp_path: Path) -> N
         assert not any(g.background_io for g in groups_of(ahead))
     assert pipeline.totals.steps == 14
     assert differences(full_state(plain, plain_opt), full_state(ahead, ahead_opt)) == {}
+
+
+def test_one_process_runs_no_splits_exchange_and_reattaching_keeps_it_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over one process the input dists hand each batch on as TorchRec's own forward does; the
+    pipeline's fused splits exchange (an identity there) is not run as a collective, on the
+    first batch or after a detach and attach, and the run stays the plain one bit for bit."""
+    case = Case(depth=2, steps=10)
+    data = batches(case, 0)
+    plain = build(case, tmp_path / "plain")
+    plain_opt = make_optimizer(case, plain)
+    train_plain(plain, plain_opt, data)
+    exchanges: list[int] = []
+    all_to_all_single = torch.distributed.all_to_all_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        exchanges.append(1)
+        return all_to_all_single(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", counted)
+    ahead = build(case, tmp_path / "ahead")
+    ahead_opt = make_optimizer(case, ahead)
+    pipeline: LookaheadTrainPipeline[Batch, Any] = LookaheadTrainPipeline(
+        ahead, ahead_opt, torch.device("cpu"), lookahead=2
+    )
+    it = iter(data)
+    with pipeline:
+        for _ in range(4):
+            pipeline.progress(it)
+        pipeline.detach()
+        pipeline.attach()  # batches in flight: TorchRec rewrites the model again
+        with pytest.raises(StopIteration):
+            while True:
+                pipeline.progress(it)
+    assert pipeline.totals.steps == case.steps
+    assert exchanges == []
+    assert differences(full_state(plain, plain_opt), full_state(ahead, ahead_opt)) == {}
+
+    # The counter sees the exchange where it runs: the fused one, as TorchRec's pipeline has it.
+    fused = build(case, tmp_path / "fused")
+    fused_opt = make_optimizer(case, fused)
+    monkeypatch.setattr(
+        LookaheadTrainPipeline, "_pipeline_model", TrainPipelineSparseDist._pipeline_model
+    )
+    train_pipelined(fused, fused_opt, data[:3], depth=2)
+    assert exchanges
 
 
 @pytest.mark.slow

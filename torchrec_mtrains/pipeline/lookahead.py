@@ -34,8 +34,14 @@ from typing import Generic, TypeVar
 
 import torch
 from torch.autograd.profiler import record_function
-from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.pipeline_context import (
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from torchrec.distributed.train_pipeline.runtime_forwards import (
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable
 
@@ -176,6 +182,17 @@ class LookaheadTrainPipeline(TrainPipelineSparseDist, Generic[In, Out]):
         if batch is not None and self._host_check is not None:
             self._host_check.vouch(passed, batch)
         return batch, context
+
+    def _pipeline_model(
+        self,
+        batch: In | None,
+        context: TrainPipelineContext,
+        pipelined_forward: type[PipelinedForward] = PipelinedForward,
+    ) -> None:
+        """TorchRec's model rewrite (compat.pipeline.PIPELINE_MODEL), then the input dists of a
+        one-process group back on their own forward: no splits exchange runs there."""
+        super()._pipeline_model(batch, context, pipelined_forward)
+        self._torchrec.unfuse_lone_input_dists()
 
     # ------------------------------------------------------------------------------ running
 
