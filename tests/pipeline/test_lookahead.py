@@ -289,7 +289,9 @@ class RecordingStore:
         with self._lock:
             self._active -= 1
 
-    def write_rows(self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any]) -> Any:
+    def write_rows(
+        self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], **kwargs: Any
+    ) -> Any:
         # Noted before the write lands, so a read overtaking it shows up as stale.
         for i, row in zip(ids.tolist(), rows):
             self.written[i] = row.copy()
@@ -297,7 +299,7 @@ class RecordingStore:
         try:
             self.writes += 1
             time.sleep(self.delay)
-            return self.write(ids, rows)
+            return self.write(ids, rows, **kwargs)
         finally:
             self._leave()
 

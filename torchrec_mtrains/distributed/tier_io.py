@@ -140,7 +140,9 @@ class TierIOWorker:
                 if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
                     dirty = plan.evict_dirty
                     shard.store.write_rows(
-                        plan.evict_ids[dirty].numpy(), self.gather(shard, plan.evict_slots[dirty])
+                        plan.evict_ids[dirty].numpy(),
+                        self.gather(shard, plan.evict_slots[dirty]),
+                        distinct=True,
                     )
             loads = [(shard, plan) for shard, plan in pairs if plan.load_slots.numel()]
             # Every table's misses in shared passes of I/O (one submission round for all).

@@ -797,7 +797,9 @@ class TieredTableGroup:
             # the flush at the end of a run must fit the memory training fitted in.
             for start in range(0, int(ids.numel()), FLUSH_CHUNK_ROWS):
                 part = slice(start, start + FLUSH_CHUNK_ROWS)
-                shard.store.write_rows(ids[part].numpy(), self.io.gather(shard, slots[part]))
+                shard.store.write_rows(
+                    ids[part].numpy(), self.io.gather(shard, slots[part]), distinct=True
+                )
                 shard.cache.mark_clean(slots[part])
             if keep_in_flight_dirty and self._in_flight is not None and self._awaiting_backward:
                 # The running batch's backward has yet to update its rows.

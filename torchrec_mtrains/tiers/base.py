@@ -310,13 +310,17 @@ class RowStore(ABC):
         """Counts one read call of ``rows`` rows that moved ``moved`` bytes in ``calls``."""
         self._count(read_calls=1, rows_read=rows, bytes_read=moved, io_calls=calls)
 
-    def write_rows(self, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
+    def write_rows(
+        self, ids: npt.ArrayLike, rows: npt.ArrayLike, *, distinct: bool = False
+    ) -> None:
         """Stores ``rows[i]`` (weights then optimizer state) as row ``ids[i]``.
 
         Ids must be unique within one call (a repeated id would make the result depend on the
-        tier); ``ValueError`` otherwise."""
+        tier); ``ValueError`` otherwise. ``distinct=True``: the caller's ids are distinct by
+        construction (the rows a cache evicts: each slot holds its own id), so the sort that
+        checks them is skipped (4% of the tier worker's time on W3)."""
         ids_arr = self._check_ids(ids)
-        if ids_arr.size > 1 and np.unique(ids_arr).size != ids_arr.size:
+        if not distinct and ids_arr.size > 1 and np.unique(ids_arr).size != ids_arr.size:
             raise ValueError(f"table {self.table!r}: write_rows ids must be unique")
         self._write_checked(ids_arr, rows)
 
