@@ -453,3 +453,17 @@ def test_thread_contention_smoke(tmp_path: Path) -> None:
     assert result["vs_alone"]["alone"] == 1.0
     for name in ("alone", "compiled", "numpy", "python"):  # (no timing asserted: a smoke run)
         assert f"\n{name:10} {result['median_ms_per_step'][name]:10.2f}" in done.stdout
+
+
+def test_eviction_round_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "round.json"
+    done = _run(
+        "eviction_round_bench.py",
+        *("--live-rows", "4096", "--repeats", "3", "--out", str(out)),
+    )
+    assert "check: select chose the 1,024 rows the full sort chose" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["rows_evicted"] == 1024  # a quarter of the live rows
+    assert set(result["median_ms"]) == {"select", "sort", "remove"}
+    assert all(len(v) == 3 for v in result["ms"].values())
+    assert result["select_vs_sort"] > 0  # (no timing asserted: a smoke run)

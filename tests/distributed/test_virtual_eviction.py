@@ -110,6 +110,30 @@ def test_ties_go_by_last_use_then_id_whatever_the_rows_order() -> None:
         assert sorted(gone.tolist()) == sorted(order[:want].tolist())
 
 
+def test_a_round_over_some_live_rows_picks_as_a_full_sort_would() -> None:
+    """Rows not live are left out, rows that may not go stay; the live rows' scores decay by
+    exactly the rate; the rest goes by (score, last use, id), as a full sort would pick."""
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        capacity = int(rng.integers(1, 400))
+        keep = int(rng.integers(1, capacity + 3))
+        rule = EvictionRule.from_policy("t", _policy(training_id_keep_count=keep), ["f"])
+        shard = ShardEviction(rule, capacity=capacity)
+        shard.count[:] = rng.integers(0, 3, capacity) * 0.75
+        shard.last_batch[:] = rng.integers(0, 3, capacity)
+        live = np.flatnonzero(rng.random(capacity) < 0.7).astype(np.int64)
+        ids = rng.permutation(10 * capacity)[: len(live)].astype(np.int64)
+        may_go = rng.random(len(live)) < 0.8
+        room = int(rng.integers(0, len(live) + 2))
+        before = shard.count.copy()
+        gone = shard.select(live, may_go, _no_norms, room, ids)
+        assert np.array_equal(shard.count[live], before[live] * 0.5)
+        rows, row_ids = live[may_go], ids[may_go]
+        order = np.lexsort((row_ids, shard.last_batch[rows], shard.count[rows]))
+        want = max(len(live) - keep, room)
+        assert sorted(gone.tolist()) == sorted(rows[order[: max(want, 0)]].tolist())
+
+
 def test_a_round_frees_the_room_new_ids_need_when_that_is_more() -> None:
     shard = ShardEviction(EvictionRule.from_policy("t", _policy(), ["f"]), capacity=6)
     rows = np.arange(6, dtype=np.int64)

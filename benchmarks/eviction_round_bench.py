@@ -1,0 +1,159 @@
+"""What one eviction round of a virtual table costs the tier worker, part by part.
+
+A round of TorchRec's score rule (``FeatureScoreBasedEvictionPolicy``) runs on the tier worker
+while batches wait for it: it decays every live row's score, picks the rows to evict (the
+lowest scores, ties to the least lately used, then to the lowest id) and frees their ids in the
+id map. On W3 (262,144 live rows a table, a quarter evicted a round) the worker runs one round
+per table every ~40 steps, and the look-ahead must absorb it. This benchmark builds one table's
+statistics and id map at ``--live-rows`` and times, ``--repeats`` times each in turns:
+
+* ``select``: :meth:`ShardEviction.select`, the round's choice (scores decayed, partitions);
+* ``sort``: the same choice by a full lexicographic sort (``np.lexsort``), the baseline;
+* ``remove``: :meth:`VirtualRowMap.remove` of the chosen ids (a fresh copy of the map each time).
+
+Scores and last uses are drawn with many ties, as a round meets them (most ids are used once or
+twice). Before timing, ``select`` must choose exactly the rows the sort chooses.
+
+Run it::
+
+    python benchmarks/eviction_round_bench.py --out results/eviction_round.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
+
+from torchrec_mtrains.cache.id_map import VirtualRowMap
+from torchrec_mtrains.distributed.virtual_eviction import EvictionRule, ShardEviction
+
+I64 = np.ndarray[Any, np.dtype[np.int64]]
+
+
+def build(args: argparse.Namespace) -> tuple[ShardEviction, VirtualRowMap, I64, I64]:
+    """One table's statistics and id map, full to ``--live-rows`` with random 40-bit ids."""
+    rng = np.random.default_rng(args.seed)
+    live = args.live_rows
+    policy = FeatureScoreBasedEvictionPolicy(
+        training_id_eviction_trigger_count=0,
+        training_id_keep_count=int(live * args.keep_share),
+        decay_rate=args.decay_rate,
+        enable_auto_feature_score_collection=True,
+        feature_score_mapping={"f": 1.0},
+    )
+    shard = ShardEviction(EvictionRule.from_policy("t", policy, ["f"]), capacity=live)
+    # Mostly ids used once or twice, some many times; decayed over a few rounds.
+    uses = np.minimum(rng.zipf(2.0, live), 50)
+    shard.count[:] = uses * args.decay_rate ** rng.integers(0, 4, live)
+    shard.last_batch[:] = rng.integers(1, 60, live)
+    shard.batches = 60
+    id_map = VirtualRowMap("t", live)
+    ids = np.unique(rng.integers(0, 2**40, 2 * live))[:live]
+    given = rng.permutation(ids)
+    rows, _ = id_map.assign(given)
+    order = np.argsort(rows)  # live rows in row order, as the id map gives them a round
+    return shard, id_map, rows[order], given[order]
+
+
+def by_sort(shard: ShardEviction, rows: I64, ids: I64, room: int) -> I64:
+    """The round's choice by a full sort: the baseline ``select`` must match."""
+    rule = shard.rule
+    count = shard.count[rows] * rule.decay_rate
+    n = max(len(rows) - rule.keep_count, room)
+    order = np.lexsort((ids, shard.last_batch[rows], count))
+    return np.sort(rows[order[:n]])
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shard, id_map, rows, ids = build(args)
+    may_go = np.ones(len(rows), dtype=np.bool_)
+    room = 0
+
+    def select() -> I64:
+        fresh = copy.deepcopy(shard)
+        started = time.perf_counter()
+        gone = fresh.select(rows, may_go, lambda r: np.zeros(len(r)), room, ids)
+        times["select"].append(time.perf_counter() - started)
+        return gone
+
+    def sort() -> I64:
+        started = time.perf_counter()
+        gone = by_sort(shard, rows, ids, room)
+        times["sort"].append(time.perf_counter() - started)
+        return gone
+
+    times: dict[str, list[float]] = {"select": [], "sort": [], "remove": []}
+    chosen = select()
+    if not np.array_equal(np.sort(chosen), sort()):
+        raise SystemExit("select chose other rows than the full sort: not timed")
+    print(f"check: select chose the {len(chosen):,} rows the full sort chose")
+    gone_ids = id_map.row_ids[chosen].copy()
+
+    def remove() -> None:
+        fresh = copy.deepcopy(id_map)
+        started = time.perf_counter()
+        fresh.remove(gone_ids)
+        times["remove"].append(time.perf_counter() - started)
+
+    remove()  # compiles (or loads) the map's kernel
+    for t in times.values():
+        t.clear()
+    parts: list[Callable[[], Any]] = [select, sort, remove]
+    for i in range(args.repeats):
+        for part in parts[i % 3 :] + parts[: i % 3]:
+            part()
+    medians = {name: _median_ms(t) for name, t in times.items()}
+    result = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows_evicted": len(chosen),
+        "median_ms": medians,
+        "ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
+        "select_vs_sort": medians["select"] / medians["sort"],
+    }
+    print(f"{'part':8} {'median ms':>10}  ({args.repeats} each, in turns)")
+    for name, ms in medians.items():
+        print(f"{name:8} {ms:10.2f}")
+    print(
+        f"a round ({len(rows):,} live rows, {len(chosen):,} evicted): select + remove "
+        f"{medians['select'] + medians['remove']:.2f} ms; select / sort "
+        f"{result['select_vs_sort']:.2f}"
+    )
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--live-rows", type=int, default=262_144)
+    parser.add_argument("--keep-share", type=float, default=0.75)
+    parser.add_argument("--decay-rate", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    result = run(args)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
