@@ -43,3 +43,22 @@ def test_ids_from_the_whole_int64_range_and_a_full_map_refuses_changing_nothing(
         m.assign(np.array([0, 7], dtype=np.int64))
     assert m.lookup(np.array([7])).tolist() == [NO_ROW] and len(m) == 3
     assert m.lookup(ids).tolist() == rows.tolist()
+
+
+def test_removed_ids_free_rows_in_their_order_and_leave_the_table_as_never_inserted() -> None:
+    """A round's removals visit the table by region, not in the ids' order: the rows still go
+    on the free stack in the ids' order (new ids get them last freed first), and the table is
+    the one the remaining ids alone would have built."""
+    rng = np.random.default_rng(5)
+    ids = rng.choice(2**40, 3000, replace=False).astype(np.int64)
+    m = VirtualRowMap("t", 3000)
+    m.assign(ids)
+    gone = rng.permutation(3000)[:900]
+    freed = m.remove(ids[gone])
+    assert (m.lookup(ids[gone]) == NO_ROW).all()
+    rows, made = m.assign(np.arange(1, 901, dtype=np.int64))
+    assert made.tolist() == list(range(900)) and rows.tolist() == freed[::-1].tolist()
+    m.remove(np.arange(1, 901, dtype=np.int64))
+    alone = VirtualRowMap("t", 3000)
+    alone.assign(np.delete(ids, gone))  # the remaining ids, in their order of insertion
+    assert np.array_equal(m._keys, alone._keys)
