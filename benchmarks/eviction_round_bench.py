@@ -16,14 +16,13 @@ twice). Before timing, ``select`` must choose exactly the rows the sort chooses.
 
 Run it::
 
-    python benchmarks/eviction_round_bench.py --out results/eviction_round.json
+    python benchmarks/eviction_round_bench.py --out results/eviction_round/after_1.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
 
+from torchrec_mtrains.benchmark.measure import write_json
 from torchrec_mtrains.cache.id_map import VirtualRowMap
 from torchrec_mtrains.distributed.virtual_eviction import EvictionRule, ShardEviction
 
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             part()
     medians = {name: _median_ms(t) for name, t in times.items()}
     result = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": vars(args),
         "rows_evicted": len(chosen),
         "median_ms": medians,
         "ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
@@ -149,8 +149,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     result = run(args)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import threading
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchrec_mtrains.benchmark.measure import write_json
 from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE
 from torchrec_mtrains.distributed.runtime import process_group
 
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     per_step[name].append((time.perf_counter() - started) / args.steps)
     alone = statistics.median(per_step["alone"])
     result: dict[str, Any] = {
-        "args": vars(args) | {"out": str(args.out)},
+        "args": vars(args),
         "switch_interval_s": sys.getswitchinterval(),
         "ms_per_step": {n: [1e3 * s for s in v] for n, v in per_step.items()},
         "median_ms_per_step": {n: 1e3 * statistics.median(v) for n, v in per_step.items()},
@@ -200,8 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name in result["missing"]:
         print(f"{name:10} not run (numba is not installed)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 
