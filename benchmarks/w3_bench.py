@@ -22,6 +22,11 @@ Variants, in this process, from the same dense initial weights:
   fit, evicting ids whose count decayed by ``--decay-rate``, 0.9, falls below
   ``--eviction-threshold``, 1), trained by the look-ahead pipeline (the next ``--lookahead``
   batches' rows made and read while one trains; 0: the plain loop).
+* ``A'p``: A' trained by TorchRec's own ``TrainPipelineSparseDist`` (the pipeline TorchRec's
+  users train with; ours' look-ahead pipeline is built on it) instead of the plain loop: the
+  same model, the same losses (checked step by step, the benchmark stops otherwise), so that
+  ``ours / A'p`` sets ours' tiers and virtual tables against a FUSED table trained the way
+  ours is, and ``A'p / A'`` shows what TorchRec's pipeline machinery alone costs a step;
 * ``A''``: the open-source route to raw ids until now: TorchRec's managed-collision modules
   (``ManagedCollisionEmbeddingBagCollection``, an ``MCHManagedCollisionModule`` per feature with
   its ``DistanceLFU_EvictionPolicy``) remap each feature's raw ids into a table of
@@ -32,7 +37,8 @@ Variants, in this process, from the same dense initial weights:
   batch takes most of its time, 0.03x A' against 0.14x at 10, with about the same eval NE).
 
 Each trains ``--warmup`` untimed then ``--steps`` timed steps on the same batches, the timed
-ones in windows of ``--window-steps`` taken in turn (A', A'', ours, then ours, A'', A', ...),
+ones in windows of ``--window-steps`` taken in turn (A', A'p, A'', ours, then ours, A'', A'p,
+A', ...),
 so all meet the same moments of a shared machine; samples/s over all of a variant's windows,
 and ours / A' per window. Then each is evaluated on ``--eval-batches`` fresh batches (NE and AUC).
 A' needs its warm-up: it runs faster in its first steps (2M samples/s in its first 500 here,
@@ -100,6 +106,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
@@ -142,7 +149,7 @@ from torchrec_mtrains.types import stored_row_bytes
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch backs large tensors with transparent huge pages when this is ``1``, as W1 runs."""
 FEATURES = ("user", "item")
-VARIANTS = ("A'", "A''", "ours")
+VARIANTS = ("A'", "A'p", "A''", "ours")
 ID_SPACE = 2**40
 LEARNING_RATE = 0.05
 CUDA_LOSS_RTOL = 1e-6
@@ -281,12 +288,14 @@ def _table_configs(
 def build(
     args: argparse.Namespace, variant: str, root: Path, rows: int = 0
 ) -> DistributedModelParallel:
-    """``A'`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours`` (virtual on a
-    tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
+    """``A'`` and ``A'p`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours``
+    (virtual on a tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
     if variant == "A''":
         return build_managed_collisions(args, root)
     virtual = variant == "ours"
-    table_rows = {"A'": args.hash_rows, "fused": rows, "ours": ID_SPACE}[variant]
+    table_rows = {"A'": args.hash_rows, "A'p": args.hash_rows, "fused": rows, "ours": ID_SPACE}[
+        variant
+    ]
     configs = _table_configs(args, table_rows, virtual)
     ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
     fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LEARNING_RATE}
@@ -461,6 +470,18 @@ def _same_losses(
             raise SystemExit(f"check failed at step {i}: {ref_name} loss {a} != {name} {b}{within}")
 
 
+def _same_run(
+    plain: list[torch.Tensor], pipelined: list[torch.Tensor], device: torch.device
+) -> None:
+    """A'p's timed losses against A''s, step by step (the same model and batches: TorchRec's
+    pipeline changes when a batch's ids are distributed, never what a step computes)."""
+    rtol = CUDA_LOSS_RTOL if device.type == "cuda" else 0.0
+    for i, (a, b) in enumerate(zip(plain, pipelined, strict=True)):
+        x, y = float(a), float(b)
+        if x != y and abs(x - y) > rtol * abs(x):
+            raise SystemExit(f"check failed at timed step {i}: A' loss {x} != A'p {y}")
+
+
 def dram_bytes(
     args: argparse.Namespace, mc: DistributedModelParallel, ours: DistributedModelParallel
 ) -> dict[str, int]:
@@ -489,7 +510,7 @@ def dram_bytes(
     }
     remapping = sum(t.numel() * t.element_size() for t in remappers.values())
     a = len(FEATURES) * args.hash_rows * stored_row_bytes(args.dim, 1, 4)
-    return {"A'": a, "A''": tiered(mc) + remapping, "ours": tiered(ours)}
+    return {"A'": a, "A'p": a, "A''": tiered(mc) + remapping, "ours": tiered(ours)}
 
 
 def distinct_ids(*batch_lists: list[Any]) -> dict[str, int]:
@@ -507,7 +528,7 @@ def distinct_ids(*batch_lists: list[Any]) -> dict[str, int]:
 def run_side_by_side(
     args: argparse.Namespace, root: Path, eval_batches: list[Any]
 ) -> dict[str, dict[str, Any]]:
-    """Trains ``A'`` and ``ours`` on the same batches, the timed steps in alternating windows
+    """Trains every variant on the same batches, the timed steps in alternating windows
     of ``--window-steps`` (each variant's model and batch position carried over; which goes
     first alternates from window to window), so that both see the same state of a shared and
     noisy machine; then evaluates both and measures ours' checkpoints. Also returns, under
@@ -524,7 +545,7 @@ def run_side_by_side(
     # steps in this process and at 6.6 ms in a fresh one: docs/benchmarks.md.)
     malloc = apply_malloc_option(args.malloc_trim_threshold)
     opts = {v: dense_optimizer(m) for v, m in models.items()}
-    modulo = {"A'": args.hash_rows, "A''": 0, "ours": 0}
+    modulo = {"A'": args.hash_rows, "A'p": args.hash_rows, "A''": 0, "ours": 0}
     for v in VARIANTS:  # the plain loop, untimed
         for raw in warmup:
             step(models[v], opts[v], raw, modulo[v])
@@ -542,6 +563,9 @@ def run_side_by_side(
             models["ours"], opts["ours"], compute_device(args), lookahead=args.lookahead
         )
     ours_batches = iter(as_batch(raw, 0) for raw in batches)
+    # A'p: TorchRec's own pipeline (its first progress rewrites the model, as ours' does)
+    torchrec_pipeline = TrainPipelineSparseDist(models["A'p"], opts["A'p"], compute_device(args))
+    pipelined_batches = iter(as_batch(raw, args.hash_rows) for raw in batches)
 
     # CPU a step of the training thread and the tier worker, and ours' stall (its training
     # thread blocked on rows): what bounds each variant in the timed windows.
@@ -554,7 +578,9 @@ def run_side_by_side(
         stalled = pipeline.totals.stall_seconds if pipeline is not None else 0.0
         started = time.perf_counter()
         for i in range(first, end):
-            if variant != "ours" or pipeline is None:
+            if variant == "A'p":
+                loss, _ = torchrec_pipeline.progress(pipelined_batches)
+            elif variant != "ours" or pipeline is None:
                 loss = step(models[variant], opts[variant], batches[i], modulo[variant])
             else:
                 loss, _ = pipeline.progress(ours_batches)
@@ -585,6 +611,8 @@ def run_side_by_side(
                     train(variant, first, end)
     finally:
         gc.unfreeze()
+        torchrec_pipeline.detach()  # the model's own forward back, for the evaluation
+    _same_run(losses["A'"], losses["A'p"], compute_device(args))
     out: dict[str, dict[str, Any]] = {}
     for v in VARIANTS:
         ne, auc = evaluate(models[v], eval_batches, modulo[v])
@@ -599,8 +627,11 @@ def run_side_by_side(
             "step_ms": 1e3 * seconds[v] / args.steps,
         }
     out["ours"]["stall_share"] = stall / seconds["ours"]
-    for v in ("A''", "ours"):
+    for v in ("A'p", "A''", "ours"):
         out[v]["window_ratios"] = [o / a for o, a in zip(windows[v], windows["A'"])]
+    out["ours"]["window_ratios_to_pipelined"] = [
+        o / a for o, a in zip(windows["ours"], windows["A'p"])
+    ]
     stats = tier_stats(models["ours"])
     out["ours"]["live_rows_over_steps"] = live
     out["ours"]["tables"] = {
@@ -848,7 +879,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result.update(run_side_by_side(args, root, eval_batches))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    a, mc, ours = result["A'"], result["A''"], result["ours"]
+    a, piped, mc, ours = result["A'"], result["A'p"], result["A''"], result["ours"]
+    print(
+        f"check: A'p = A' (TorchRec's TrainPipelineSparseDist against the plain loop) over the "
+        f"{args.steps:,} timed steps: {equal}"
+    )
     trim = result["malloc"]["trim_threshold"]
     print(
         f"huge pages for tensors ({THP_ENV}=1): {'on' if result['thp'] else 'off'}; freed host "
@@ -859,10 +894,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "distinct raw ids over the run's batches (warm-up and timed): "
         + ", ".join(f"{f} {n:,}" for f, n in result["distinct_ids"].items())
     )
-    for name in ("A''", "ours"):
-        ratios = sorted(result[name]["window_ratios"])
+    for name, key, base in (
+        ("A'p", "window_ratios", "A'"),
+        ("A''", "window_ratios", "A'"),
+        ("ours", "window_ratios", "A'"),
+        ("ours", "window_ratios_to_pipelined", "A'p"),
+    ):
+        ratios = sorted(result[name][key])
         print(
-            f"{name} / A' per window of {args.window_steps} steps ({len(ratios)} each, in "
+            f"{name} / {base} per window of {args.window_steps} steps ({len(ratios)} each, in "
             f"turns): median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, "
             f"max {ratios[-1]:.2f}"
         )
@@ -877,8 +917,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"(caches of {args.cache_load_factor:g} x the tables' rows, their slot state and maps; "
         "ours' id maps; the remapping tensors of A'')"
     )
+    per_a, per_piped = "/ A'", "/ A'p"
     print(
-        f"{'variant':8} {'samples/s':>10} {'/ A':>6} {'eval NE':>8} {'eval AUC':>9} "
+        f"{'variant':8} {'samples/s':>10} {per_a:>6} {per_piped:>6} {'eval NE':>8} {'eval AUC':>9} "
         f"{'step ms':>8} {'training CPU':>13} {'worker CPU':>11}"
     )
     for name in VARIANTS:
@@ -886,6 +927,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         c = r["cpu_ms_per_step"]
         print(
             f"{name:8} {r['samples_per_s']:10,.0f} {r['samples_per_s'] / a['samples_per_s']:6.2f} "
+            f"{r['samples_per_s'] / piped['samples_per_s']:6.2f} "
             f"{r['eval_ne']:8.4f} {r['eval_auc']:9.4f} {r['step_ms']:8.2f} "
             f"{c['main']:10.2f} ms {c['tier_io']:8.2f} ms"
         )

@@ -397,19 +397,27 @@ def test_w3_smoke(device: str, tmp_path: Path) -> None:
         "check: A'' = TorchRec's managed collisions over FUSED (1,024 slots per table, ids below "
         f"4,096) for 30 steps: {equal}" in done.stdout
     )
+    # the hashed model through TorchRec's own pipeline trains as the plain loop does
+    assert (
+        "check: A'p = A' (TorchRec's TrainPipelineSparseDist against the plain loop) over the 12 "
+        f"timed steps: {equal}" in done.stdout
+    )
     assert json.loads(out.read_text())["args"]["device"] == device
     result = json.loads(out.read_text())
     assert result["malloc"] == {"trim_threshold": 256 * 2**20}  # every variant, once built
-    for variant in ("A'", "A''", "ours"):
+    for variant in ("A'", "A'p", "A''", "ours"):
         assert {"samples_per_s", "eval_ne", "eval_auc"} <= set(result[variant])
         # 12 timed steps in windows of 5, taken in turns
         assert len(result[variant]["window_samples_per_s"]) == 3
-    for variant in ("A''", "ours"):
+    for variant in ("A'p", "A''", "ours"):
         assert len(result[variant]["window_ratios"]) == 3
         assert f"{variant} / A' per window of 5 steps" in done.stdout
+    assert len(result["ours"]["window_ratios_to_pipelined"]) == 3
+    assert "ours / A'p per window of 5 steps" in done.stdout
+    assert result["A'"]["eval_ne"] == result["A'p"]["eval_ne"]  # the same model trained
     # A''s hashed tables' bytes; the caches of A'' and ours (half of 1,500 rows a table), their
     # maps, and the remapping tensors of A'' (its sorted raw ids and counts, 16 bytes a slot)
-    assert result["A'"]["dram_bytes"] == 2 * 512 * (16 * 4 + 4)
+    assert result["A'"]["dram_bytes"] == result["A'p"]["dram_bytes"] == 2 * 512 * (16 * 4 + 4)
     assert result["ours"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4)
     assert result["A''"]["dram_bytes"] > 2 * 750 * (16 * 4 + 4) + 2 * 1500 * 16
     rate = result["A''"]["samples_per_s"]
