@@ -426,3 +426,92 @@ def hold(slots: I64, delta: int, holds: I32, pinned: Flags, reserved: Flags) -> 
             reserved[s] = now
             change += 1 if now else -1
     return OK, change
+
+
+# ------------------------------------------------------------------ a batch's distinct ids
+
+_RADIX_BITS = 11  # 2,048 buckets: a batch's ~10**4 ids in 4 passes for ids below 2**44
+
+
+@_jit
+def _radix_sort(values: I64, hi: int) -> I64:
+    """``values`` (none negative, none above ``hi``) in ascending order: least significant
+    digit first, ``_RADIX_BITS`` a pass, as many passes as ``hi`` has digits."""
+    n = values.shape[0]
+    src = values.copy()
+    dst = np.empty_like(src)
+    counts = np.zeros(1 << _RADIX_BITS, np.int64)
+    digit_mask = (1 << _RADIX_BITS) - 1
+    shift = 0
+    while (hi >> shift) > 0:
+        counts[:] = 0
+        for i in range(n):
+            counts[(src[i] >> shift) & digit_mask] += 1
+        total = 0
+        for b in range(counts.shape[0]):
+            c = counts[b]
+            counts[b] = total
+            total += c
+        for i in range(n):
+            b = (src[i] >> shift) & digit_mask
+            dst[counts[b]] = src[i]
+            counts[b] += 1
+        src, dst = dst, src
+        shift += _RADIX_BITS
+    return src
+
+
+@_jit
+def _unique_with_inverse(ids: I64) -> tuple[bool, I64, I64]:
+    """:func:`unique_with_inverse` for ids none negative; ``False`` first (and nothing else
+    computed) when one is."""
+    n = ids.shape[0]
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    keys = np.empty(size, np.int64)
+    used = np.zeros(size, np.bool_)
+    slot_of = np.empty(n, np.int64)  # each position's hash slot
+    distinct = np.empty(n, np.int64)  # in the order first seen
+    u, hi = 0, 0
+    for i in range(n):
+        key = ids[i]
+        if key < 0:
+            return False, ids[:0], ids[:0]
+        s = np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
+        while used[s] and keys[s] != key:
+            s = (s + 1) & mask
+        if not used[s]:
+            used[s] = True
+            keys[s] = key
+            distinct[u] = key
+            u += 1
+            hi = max(hi, key)
+        slot_of[i] = s
+    uniq = _radix_sort(distinct[:u], hi)
+    rank = np.empty(size, np.int64)  # a hash slot's id -> its place in ``uniq``
+    for k in range(u):
+        key = uniq[k]
+        s = np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
+        while keys[s] != key:
+            s = (s + 1) & mask
+        rank[s] = k
+    inverse = np.empty(n, np.int64)
+    for i in range(n):
+        inverse[i] = rank[slot_of[i]]
+    return True, uniq, inverse
+
+
+def unique_with_inverse(ids: I64) -> tuple[I64, I64]:
+    """``np.unique(ids, return_inverse=True)`` (sorted distinct ids, and each id's place among
+    them), in one call without the GIL: a hash table finds the distinct ids, a radix sort
+    orders only them. The tier worker runs it on every table of every batch beside the
+    training thread: ~0.16 ms for 16,384 ids where numpy's, which sorts every position, takes
+    ~0.8 ms and holds the GIL between its steps. Negative ids, and no numba, take numpy's."""
+    if NUMBA_AVAILABLE and ids.size:
+        ok, uniq, inverse = _unique_with_inverse(np.ascontiguousarray(ids, dtype=np.int64))
+        if ok:
+            return uniq, inverse
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return uniq, inverse.astype(np.int64, copy=False).reshape(-1)

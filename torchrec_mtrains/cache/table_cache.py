@@ -93,8 +93,9 @@ _KERNELS_READY = False
 
 
 def compile_kernels() -> float:
-    """Compiles the row caches' numba kernels for this process, or loads them from numba's
-    cache of earlier runs, by planning a few batches on two tiny caches (LRU and LFU): what
+    """Compiles the row caches' numba kernels (and the tier worker's distinct-id kernel) for
+    this process, or loads them from numba's cache of earlier runs, by planning a few batches
+    on two tiny caches (LRU and LFU): what
     the first batches of training would otherwise wait for, counted as tier stall. Runs once a
     process; later calls, and calls without numba, return at once.
 
@@ -116,6 +117,7 @@ def compile_kernels() -> float:
             cache.release(plan.slots)
         cache.pin(cache.plan(torch.tensor([9], dtype=torch.int64)).slots)
         cache.clear()
+    kernels.unique_with_inverse(np.array([3, 1, 3], dtype=np.int64))  # a batch's distinct ids
     _KERNELS_READY = True
     seconds = time.perf_counter() - started
     logger.info("row-cache kernels ready in %.1f s (numba keeps them for later runs)", seconds)

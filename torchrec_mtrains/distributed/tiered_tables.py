@@ -33,6 +33,7 @@ from torch import nn
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
 from torchrec_mtrains._compat.torch_internals import tensor_version
+from torchrec_mtrains.cache import kernels
 from torchrec_mtrains.cache.table_cache import CachePlan, TableCache, compile_kernels
 from torchrec_mtrains.distributed.checkpoint_views import TierViews
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
@@ -140,11 +141,12 @@ class _PlannedBatch:
 
 
 def _unique_with_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(ids, return_inverse=True)`` (sorted) for a table's ids in host memory:
-    numpy's takes ~0.10 ms for W1's 8,192 ids of a table where torch's, which sorts (id,
-    position) pairs, takes ~0.26 ms; the tier worker runs it once per table and batch."""
-    uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
-    return torch.from_numpy(uniq), torch.from_numpy(inverse.astype(np.int64, copy=False))
+    """``torch.unique(ids, return_inverse=True)`` (sorted) for a table's ids in host memory,
+    by :func:`kernels.unique_with_inverse`: ~0.16 ms for 16,384 ids, where numpy's takes
+    ~0.8 ms and torch's, which sorts (id, position) pairs, longer still; the tier worker runs it
+    once per table and batch."""
+    uniq, inverse = kernels.unique_with_inverse(ids.numpy())
+    return torch.from_numpy(uniq), torch.from_numpy(inverse)
 
 
 def _same_ids(held: torch.Tensor, given: torch.Tensor) -> bool:
