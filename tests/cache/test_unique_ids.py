@@ -26,11 +26,11 @@ def test_distinct_ids_and_inverse_are_numpys(seed: int) -> None:
     rng = np.random.default_rng(seed)
     n = int(rng.choice([1, 2, 7, 100, 4096, 16384, 40000]))
     top = int(rng.choice([2, 50, 2**11, 2**22, 2**40, 2**50, 2**63 - 1]))
-    if seed % 3 == 0:  # skewed: most positions repeat a few ids
-        ids = (rng.zipf(1.2, n) * 2654435761) % top
-    else:
-        ids = rng.integers(0, top, n)
-    ids = ids.astype(np.int64)
+    # every third seed skewed (most positions repeat a few ids), the others uniform
+    skewed = seed % 3 == 0
+    ids = ((rng.zipf(1.2, n) * 2654435761) % top if skewed else rng.integers(0, top, n)).astype(
+        np.int64
+    )
     if seed % 5 == 0:  # digit boundaries of the radix sort, and the largest id
         ids[: min(n, 4)] = [top, 2**11 - 1, 2**11, 2**63 - 1][: min(n, 4)]
     _assert_numpys(ids)
