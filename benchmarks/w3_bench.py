@@ -289,7 +289,8 @@ def build(
     args: argparse.Namespace, variant: str, root: Path, rows: int = 0
 ) -> DistributedModelParallel:
     """``A'`` and ``A'p`` (hashed FUSED), ``A''`` (managed collisions over ours), ``ours``
-    (virtual on a tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's reference)."""
+    (virtual on a tier) or ``fused`` (``rows`` rows filled by ours' initializer: the check's
+    reference)."""
     if variant == "A''":
         return build_managed_collisions(args, root)
     virtual = variant == "ours"
@@ -530,8 +531,8 @@ def run_side_by_side(
 ) -> dict[str, dict[str, Any]]:
     """Trains every variant on the same batches, the timed steps in alternating windows
     of ``--window-steps`` (each variant's model and batch position carried over; which goes
-    first alternates from window to window), so that both see the same state of a shared and
-    noisy machine; then evaluates both and measures ours' checkpoints. Also returns, under
+    first alternates from window to window), so that all see the same state of a shared and
+    noisy machine; then evaluates all and measures ours' checkpoints. Also returns, under
     ``distinct_ids``, each feature's distinct raw ids over the warm-up and timed batches.
 
     During the windows of A', ours' look-ahead pipeline holds its next batches, whose rows its
