@@ -462,13 +462,10 @@ def _same_losses(
 ) -> None:
     stream = Stream(args, seed=99, ids_below=args.check_rows)
     o_opt, r_opt = dense_optimizer(ours), dense_optimizer(ref)
-    rtol = CUDA_LOSS_RTOL if ours.device.type == "cuda" else 0.0
     for i in range(steps):
         batch = stream.batch()
-        a, b = float(step(ref, r_opt, batch, 0)), float(step(ours, o_opt, batch, 0))
-        if a != b and abs(a - b) > rtol * abs(a):
-            within = f" (beyond {rtol:g} relative)" if rtol else ""
-            raise SystemExit(f"check failed at step {i}: {ref_name} loss {a} != {name} {b}{within}")
+        a, b = step(ref, r_opt, batch, 0), step(ours, o_opt, batch, 0)
+        _same_loss(f"step {i}", (ref_name, a), (name, b), ours.device)
 
 
 def _same_run(
@@ -476,11 +473,21 @@ def _same_run(
 ) -> None:
     """A'p's timed losses against A''s, step by step (the same model and batches: TorchRec's
     pipeline changes when a batch's ids are distributed, never what a step computes)."""
-    rtol = CUDA_LOSS_RTOL if device.type == "cuda" else 0.0
     for i, (a, b) in enumerate(zip(plain, pipelined, strict=True)):
-        x, y = float(a), float(b)
-        if x != y and abs(x - y) > rtol * abs(x):
-            raise SystemExit(f"check failed at timed step {i}: A' loss {x} != A'p {y}")
+        _same_loss(f"timed step {i}", ("A'", a), ("A'p", b), device)
+
+
+def _same_loss(
+    where: str, ref: tuple[str, torch.Tensor], other: tuple[str, torch.Tensor], device: torch.device
+) -> None:
+    """Stops the benchmark unless the two losses are equal (on CUDA: within
+    ``CUDA_LOSS_RTOL`` of the reference's)."""
+    (ref_name, a_t), (name, b_t) = ref, other
+    a, b = float(a_t), float(b_t)
+    rtol = CUDA_LOSS_RTOL if device.type == "cuda" else 0.0
+    if a != b and abs(a - b) > rtol * abs(a):
+        within = f" (beyond {rtol:g} relative)" if rtol else ""
+        raise SystemExit(f"check failed at {where}: {ref_name} loss {a} != {name} {b}{within}")
 
 
 def dram_bytes(

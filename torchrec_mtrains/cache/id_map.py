@@ -14,12 +14,10 @@ without numba the same functions run as Python.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
-from torchrec_mtrains.cache.kernels import _jit, splitmix64_word
+from torchrec_mtrains.cache.kernels import _jit, home_slot
 
 I64 = npt.NDArray[np.int64]
 
@@ -43,17 +41,11 @@ class VirtualTableFullError(RuntimeError):
 
 
 @_jit
-def _slot_of(key: int, mask: int) -> Any:
-    """Home slot of ``key``: SplitMix64's finalizer, on int64 (wrapping), masked."""
-    return np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
-
-
-@_jit
 def _find(keys: I64, rows: I64, ids: I64, out: I64) -> None:
     mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
         key = ids[i]
-        s = _slot_of(key, mask)
+        s = home_slot(key, mask)
         out[i] = NO_ROW
         while keys[s] != EMPTY:
             if keys[s] == key:
@@ -73,7 +65,7 @@ def _insert(
     count = 0
     for i in range(ids.shape[0]):
         key = ids[i]
-        s = _slot_of(key, mask)
+        s = home_slot(key, mask)
         while keys[s] != EMPTY and keys[s] != key:
             s = (s + 1) & mask
         if keys[s] == key:
@@ -99,7 +91,7 @@ def _by_home_region(ids: I64, mask: int, shift: int) -> I64:
     start = np.zeros(regions + 1, dtype=np.int64)
     home = np.empty(n, dtype=np.int64)
     for i in range(n):
-        home[i] = _slot_of(ids[i], mask) >> shift
+        home[i] = home_slot(ids[i], mask) >> shift
         start[home[i] + 1] += 1
     for r in range(regions):
         start[r + 1] += start[r]
@@ -128,7 +120,7 @@ def _remove(
     for j in range(ids.shape[0]):
         i = order[j]
         key = ids[i]
-        s = _slot_of(key, mask)
+        s = home_slot(key, mask)
         while keys[s] != EMPTY and keys[s] != key:
             s = (s + 1) & mask
         if keys[s] == EMPTY:
@@ -142,7 +134,7 @@ def _remove(
         hole = s
         t = (s + 1) & mask
         while keys[t] != EMPTY:
-            home = _slot_of(keys[t], mask)
+            home = home_slot(keys[t], mask)
             # (home in the cyclic range (hole, t]: the entry cannot move before its home)
             stays = (hole < home <= t) if hole < t else (home > hole or home <= t)
             if not stays:

@@ -430,6 +430,15 @@ def hold(slots: I64, delta: int, holds: I32, pinned: Flags, reserved: Flags) -> 
 
 # ------------------------------------------------------------------ a batch's distinct ids
 
+
+@_jit
+def home_slot(key: int, mask: int) -> Any:
+    """Home slot of ``key`` in an open-addressing table of ``mask + 1`` slots (a power of two):
+    SplitMix64's finalizer, on int64 (wrapping), masked. The virtual tables' id maps and
+    :func:`unique_with_inverse` place ids by it."""
+    return np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
+
+
 _RADIX_BITS = 11  # 2,048 buckets: a batch's ~10**4 ids in 4 passes for ids below 2**44
 
 
@@ -470,8 +479,7 @@ def _unique_with_inverse(ids: I64) -> tuple[bool, I64, I64]:
     while size < 2 * n:
         size *= 2
     mask = size - 1
-    keys = np.empty(size, np.int64)
-    used = np.zeros(size, np.bool_)
+    keys = np.full(size, -1, np.int64)  # -1: a free slot (ids here are never negative)
     slot_of = np.empty(n, np.int64)  # each position's hash slot
     distinct = np.empty(n, np.int64)  # in the order first seen
     u, hi = 0, 0
@@ -479,11 +487,10 @@ def _unique_with_inverse(ids: I64) -> tuple[bool, I64, I64]:
         key = ids[i]
         if key < 0:
             return False, ids[:0], ids[:0]
-        s = np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
-        while used[s] and keys[s] != key:
+        s = home_slot(key, mask)
+        while keys[s] != -1 and keys[s] != key:
             s = (s + 1) & mask
-        if not used[s]:
-            used[s] = True
+        if keys[s] == -1:
             keys[s] = key
             distinct[u] = key
             u += 1
@@ -493,7 +500,7 @@ def _unique_with_inverse(ids: I64) -> tuple[bool, I64, I64]:
     rank = np.empty(size, np.int64)  # a hash slot's id -> its place in ``uniq``
     for k in range(u):
         key = uniq[k]
-        s = np.int64(splitmix64_word(np.uint64(key)) & np.uint64(mask))
+        s = home_slot(key, mask)
         while keys[s] != key:
             s = (s + 1) & mask
         rank[s] = k
