@@ -1,21 +1,30 @@
 """The score rule (TorchRec's ``FeatureScoreBasedEvictionPolicy``) of virtual tables, alone:
-what it reads from the policy, what it refuses, and which rows a round keeps. (Training with it,
+what it reads from the policy, what it refuses, and which rows a round keeps; a round's compiled
+scans against numpy's. (Training with it,
 bit for bit against a reset FUSED table: ``test_virtual_tables.py`` and the sweep.)"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
 
+from torchrec_mtrains.cache.id_map import VirtualRowMap
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE
+from torchrec_mtrains.cache.table_cache import TableCache
+from torchrec_mtrains.distributed import virtual_eviction, virtual_rows
 from torchrec_mtrains.distributed.virtual_eviction import (
     EvictionKind,
     EvictionRule,
     ShardEviction,
     UnsupportedEvictionPolicy,
+    split_at_nth_smallest,
 )
+from torchrec_mtrains.distributed.virtual_rows import VirtualRows
 
 
 def _policy(**kwargs: Any) -> FeatureScoreBasedEvictionPolicy:
@@ -143,3 +152,67 @@ def test_a_round_frees_the_room_new_ids_need_when_that_is_more() -> None:
     # never more than may go
     some = np.array([False, False, False, True, True, True])
     assert len(shard.select(rows, some, _no_norms, room=5)) == 3
+
+
+def _values(rng: np.random.Generator, kind: int, size: int) -> np.ndarray:
+    if kind == 0:  # distinct scores
+        return rng.random(size)
+    if kind == 1:  # few distinct decayed scores: long ties, as W3's rounds see
+        return 0.99 ** rng.integers(0, 5, size) * rng.integers(0, 3, size)
+    if kind == 2:  # negative and positive, -0.0 beside 0.0
+        v = rng.normal(size=size)
+        v[rng.random(size) < 0.2] = -0.0
+        v[rng.random(size) < 0.2] = 0.0
+        return v
+    if kind == 3:  # int64 over its whole range
+        return rng.integers(-(2**63), 2**63 - 1, size, dtype=np.int64, endpoint=True)
+    return rng.integers(0, 4, size).astype(np.int64)  # int64, long ties (last uses)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_split_at_the_nth_smallest_is_numpys_partition(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positions below the n-th smallest and equal to it, as numpy's partition and two
+    comparisons give them, compiled or not, for floats (signs, zeros, ties) and int64."""
+    monkeypatch.setattr(virtual_eviction, "NUMBA_AVAILABLE", compiled and NUMBA_AVAILABLE)
+    rng = np.random.default_rng(7)
+    for case in range(400):
+        size = int(rng.integers(1, 5000))
+        values = _values(rng, case % 5, size)
+        n = int(rng.choice([1, size, int(rng.integers(1, size + 1))]))
+        nth = np.partition(values, n - 1)[n - 1]
+        below, tied = split_at_nth_smallest(values, n)
+        assert below.dtype == tied.dtype == np.int64
+        assert np.array_equal(below, np.flatnonzero(values < nth)), (case, size, n)
+        assert np.array_equal(tied, np.flatnonzero(values == nth)), (case, size, n)
+    with pytest.raises(ValueError, match="n=0 out of range"):
+        split_at_nth_smallest(np.zeros(3), 0)
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="compares the compiled scan with numpy's")
+def test_a_rounds_candidates_compiled_are_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which live rows a round may evict (not the batch's, not those of the batches just
+    before it, not those held or pinned in the cache): the compiled scan and numpy's agree."""
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        capacity = int(rng.integers(1, 3000))
+        id_map = VirtualRowMap("t", capacity)
+        id_map.assign(np.unique(rng.integers(0, 2**40, int(rng.integers(0, capacity + 1)))))
+        id_map.remove(id_map.row_ids[rng.random(capacity) < 0.3])
+        eviction = ShardEviction(EvictionRule.from_policy("t", _policy(), ["f"]), capacity)
+        eviction.batches = int(rng.integers(0, 20))
+        eviction.last_batch[:] = rng.integers(0, eviction.batches + 1, capacity)
+        cache = TableCache("t", capacity, max(1, capacity // 3))
+        plan = cache.plan(torch.from_numpy(rng.permutation(capacity)[: cache.num_slots]))
+        cache.hold(plan.slots[rng.random(cache.num_slots) < 0.3])
+        cache.pin(plan.slots[rng.random(cache.num_slots) < 0.1])
+        shard = SimpleNamespace(id_map=id_map, eviction=eviction)
+        batch_rows = rng.permutation(capacity)[: int(rng.integers(0, capacity))]
+        compiled = VirtualRows._eviction_candidates(shard, batch_rows, cache)  # type: ignore[arg-type]
+        monkeypatch.setattr(virtual_rows, "NUMBA_AVAILABLE", False)
+        reference = VirtualRows._eviction_candidates(shard, batch_rows, cache)  # type: ignore[arg-type]
+        monkeypatch.undo()
+        for got, want in zip(compiled, reference):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert 0 < reference[2].sum() < len(reference[2]) or capacity < 50

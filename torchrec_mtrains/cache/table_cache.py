@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from torchrec_mtrains.cache import kernels
@@ -396,6 +397,14 @@ class TableCache:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids``, -1 where not resident. Does not touch the policy."""
         return self.id_to_slot[ids.to(self.device, torch.int64)].to(torch.int64)
+
+    def host_slot_maps(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]:
+        """``(id_to_slot, reserved)`` as numpy views, for compiled scans on the host: each
+        row's slot (-1: not resident) and whether each slot is pinned or held. Views, not
+        copies: read them under whatever guards the cache against concurrent planning."""
+        if self.device.type != "cpu":
+            raise ValueError(f"table {self.table!r}: the cache's bookkeeping is on {self.device}")
+        return self.id_to_slot.numpy(), self._reserved.numpy()
 
     # --------------------------------------------------------------------------- mutations
 

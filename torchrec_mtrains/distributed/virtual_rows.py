@@ -26,12 +26,14 @@ import numpy.typing as npt
 import torch
 
 from torchrec_mtrains.cache.id_map import EMPTY, NO_ROW, VirtualRowMap
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit
 from torchrec_mtrains.cache.table_cache import TableCache
 from torchrec_mtrains.distributed.virtual_eviction import Clock, ShardEviction
 from torchrec_mtrains.distributed.virtual_tables import OPTION, VirtualShard
 from torchrec_mtrains.tiers.base import RowStore
 
 I64 = npt.NDArray[np.int64]
+Flags = npt.NDArray[np.bool_]
 
 _NO_POSITIONS = torch.empty(0, dtype=torch.int64)
 
@@ -212,9 +214,8 @@ class VirtualRows:
         else:  # only to make room
             due = self.eviction.rule.evicts and live + new > self.space.capacity
         if due:
-            keep = np.concatenate([rows[known], self.eviction.recent(PROTECTED_BATCHES - 1)])
             room = live + new - self.space.capacity
-            self._evict_round(keep, cache, store, weight_slots, batch, room)
+            self._evict_round(rows[known], cache, store, weight_slots, batch, room)
         # (a round spares the batch's ids: their lookup still holds)
         assigned, made = self.id_map.assign(ids_np, OPTION, rows)
         provisional = self.provisional
@@ -293,22 +294,17 @@ class VirtualRows:
 
     def _evict_round(
         self,
-        keep: I64,
+        batch_rows: I64,
         cache: TableCache,
         store: RowStore,
         weight_slots: torch.Tensor,
         batch: int,
         room: int,
     ) -> None:
-        live_ids, live_rows = self.id_map.live()
-        may_go = ~np.isin(live_rows, keep)
-
-        slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
-        cached = slots >= 0
-        held = np.zeros_like(may_go)
-        reserved = (cache.holds > 0) | cache.pinned
-        held[cached] = reserved[torch.from_numpy(slots[cached])].numpy()
-        may_go &= ~held
+        """Evicts what the rule says among the live rows that may go: not ``batch_rows`` (the
+        rows of the batch being planned), nor rows the ``PROTECTED_BATCHES - 1`` batches
+        planned before it used, nor rows a batch in flight holds in the cache."""
+        live_ids, live_rows, may_go = self._eviction_candidates(batch_rows, cache)
 
         def l2_norms(rows: I64) -> npt.NDArray[np.float64]:
             return self._l2_norms(rows, cache, store, weight_slots)
@@ -322,6 +318,30 @@ class VirtualRows:
             self.changes.evicted.append(gone_ids)
         if self.history is not None:
             self.history.append(EvictionRecord(batch, gone_ids + self.space.id_offset))
+
+    def _eviction_candidates(self, batch_rows: I64, cache: TableCache) -> tuple[I64, I64, Flags]:
+        """Every live id, its row (ascending) and whether it may go (see :meth:`_evict_round`):
+        one compiled pass over the rows, where numpy's steps took ~6 ms a round on W3."""
+        since = self.eviction.batches - (PROTECTED_BATCHES - 1)
+        if NUMBA_AVAILABLE:
+            id_to_slot, reserved = cache.host_slot_maps()
+            return _round_candidates(
+                self.id_map.row_ids,
+                self.eviction.last_batch,
+                since,
+                np.ascontiguousarray(batch_rows, dtype=np.int64),
+                id_to_slot,
+                reserved,
+            )
+        live_ids, live_rows = self.id_map.live()
+        last = self.eviction.last_batch[live_rows]
+        may_go = ~np.isin(live_rows, batch_rows) & ~((last > 0) & (last >= since))
+        slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
+        cached = slots >= 0
+        held = np.zeros_like(may_go)
+        reserved_t = (cache.holds > 0) | cache.pinned
+        held[cached] = reserved_t[torch.from_numpy(slots[cached])].numpy()
+        return live_ids, live_rows, may_go & ~held
 
     @staticmethod
     def _l2_norms(
@@ -362,3 +382,39 @@ class VirtualRows:
             "rows_evicted": float(self.eviction.evicted),
             "eviction_rounds": float(self.eviction.rounds),
         }
+
+
+@_jit
+def _round_candidates(
+    row_ids: I64,
+    last_batch: I64,
+    since: int,
+    batch_rows: I64,
+    id_to_slot: npt.NDArray[np.int32],
+    reserved: Flags,
+) -> tuple[I64, I64, Flags]:
+    """:meth:`VirtualRows._eviction_candidates`: the live ids (``row_ids`` not ``EMPTY``), their
+    rows, and whether each may go: not in ``batch_rows``, not used by a batch from ``since``
+    on (``last_batch``, 0: never used), not in a ``reserved`` cache slot."""
+    spared = np.zeros(row_ids.shape[0], np.bool_)
+    for i in range(batch_rows.shape[0]):
+        spared[batch_rows[i]] = True
+    n = 0
+    for r in range(row_ids.shape[0]):
+        if row_ids[r] != EMPTY:
+            n += 1
+    ids = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    may_go = np.empty(n, np.bool_)
+    j = 0
+    for r in range(row_ids.shape[0]):
+        if row_ids[r] == EMPTY:
+            continue
+        ids[j] = row_ids[r]
+        rows[j] = r
+        last = last_batch[r]
+        go = not spared[r] and not (last > 0 and last >= since)
+        slot = id_to_slot[r]
+        may_go[j] = go and not (slot >= 0 and reserved[slot])
+        j += 1
+    return ids, rows, may_go
