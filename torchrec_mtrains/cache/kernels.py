@@ -152,7 +152,14 @@ def build_lists(last_use: I64, count: I64, num_buckets: int) -> tuple[I32, I32, 
 
 @_jit
 def _sorted_unique(slots: I64) -> I64:
-    out = np.sort(slots)
+    """``np.unique(slots)``. Slots are never negative but where a caller's check is still to
+    come: a radix sort (:func:`_radix_sort`, ~0.04 ms for a batch's ~11,000 slots where
+    numba's ``np.sort`` took ~0.5 ms), numba's sort for negative ones."""
+    lo, hi = 0, 0
+    for i in range(slots.size):
+        lo = min(lo, slots[i])
+        hi = max(hi, slots[i])
+    out = np.sort(slots) if lo < 0 else _radix_sort(slots, hi)
     k = 0
     for i in range(out.size):
         if i == 0 or out[i] != out[i - 1]:
