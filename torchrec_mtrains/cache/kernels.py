@@ -529,3 +529,38 @@ def unique_with_inverse(ids: I64) -> tuple[I64, I64]:
             return uniq, inverse
     uniq, inverse = np.unique(ids, return_inverse=True)
     return uniq, inverse.astype(np.int64, copy=False).reshape(-1)
+
+
+# ----------------------------------------------- rows between cache slots and tier rows
+
+F32 = npt.NDArray[np.float32]
+
+
+@_jit
+def scatter_columns(target: F32, slots: I64, rows: F32, first: int) -> bool:
+    """``target[slots[i]] = rows[i, first : first + target.shape[1]]`` for every ``i``; false,
+    with nothing written, when a slot lies outside ``target``."""
+    n_slots, width = target.shape
+    for i in range(slots.shape[0]):
+        if slots[i] < 0 or slots[i] >= n_slots:
+            return False
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        for j in range(width):
+            target[s, j] = rows[i, first + j]
+    return True
+
+
+@_jit
+def gather_columns(source: F32, slots: I64, out: F32, first: int) -> bool:
+    """``out[i, first : first + source.shape[1]] = source[slots[i]]`` for every ``i``; false,
+    with nothing read, when a slot lies outside ``source``."""
+    n_slots, width = source.shape
+    for i in range(slots.shape[0]):
+        if slots[i] < 0 or slots[i] >= n_slots:
+            return False
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        for j in range(width):
+            out[i, first + j] = source[s, j]
+    return True

@@ -46,7 +46,11 @@ from torchrec_mtrains.distributed.options import (
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.distributed.tier_io import HOST, TierIOCounters, TierIOWorker
 from torchrec_mtrains.distributed.virtual_eviction import EvictionKind
-from torchrec_mtrains.distributed.virtual_rows import AssignedRows, VirtualRows
+from torchrec_mtrains.distributed.virtual_rows import (
+    AssignedRows,
+    VirtualRows,
+    compile_round_kernels,
+)
 from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
@@ -276,6 +280,8 @@ class TieredTableGroup:
                 )
         if any(shard.cache.backend == "numba" for shard in self.shards):
             compile_kernels()  # now, not while the first batches wait for their rows
+        if any(shard.virtual is not None for shard in self.shards):
+            compile_round_kernels()  # (and the first eviction round)
         # One pool of I/O buffers for the group's block stores: its worker moves one table's
         # rows at a time, so a pass's buffer in use and one idle serve every table.
         pass_bytes = [

@@ -28,7 +28,11 @@ import torch
 from torchrec_mtrains.cache.id_map import EMPTY, NO_ROW, VirtualRowMap
 from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit
 from torchrec_mtrains.cache.table_cache import TableCache
-from torchrec_mtrains.distributed.virtual_eviction import Clock, ShardEviction
+from torchrec_mtrains.distributed.virtual_eviction import (
+    Clock,
+    ShardEviction,
+    split_at_nth_smallest,
+)
 from torchrec_mtrains.distributed.virtual_tables import OPTION, VirtualShard
 from torchrec_mtrains.tiers.base import RowStore
 
@@ -418,3 +422,14 @@ def _round_candidates(
         may_go[j] = go and not (slot >= 0 and reserved[slot])
         j += 1
     return ids, rows, may_go
+
+
+def compile_round_kernels() -> None:
+    """Compiles an eviction round's kernels for this process (or loads them from numba's
+    cache of earlier runs) now, not at the first round, mid-training."""
+    if not NUMBA_AVAILABLE:
+        return
+    rows = np.array([0, 1], np.int64)
+    _round_candidates(rows, rows, 1, rows[:1], np.array([-1, 0], np.int32), np.zeros(1, np.bool_))
+    split_at_nth_smallest(np.array([0.5, 0.25]), 1)
+    split_at_nth_smallest(rows, 1)
