@@ -537,16 +537,22 @@ F32 = npt.NDArray[np.float32]
 
 
 @_jit
+def _slots_within(slots: I64, n_slots: int) -> bool:
+    for i in range(slots.shape[0]):  # noqa: SIM110 (a loop numba compiles; all() of a generator it does not)
+        if slots[i] < 0 or slots[i] >= n_slots:
+            return False
+    return True
+
+
+@_jit
 def scatter_columns(target: F32, slots: I64, rows: F32, first: int) -> bool:
     """``target[slots[i]] = rows[i, first : first + target.shape[1]]`` for every ``i``; false,
     with nothing written, when a slot lies outside ``target``."""
-    n_slots, width = target.shape
-    for i in range(slots.shape[0]):
-        if slots[i] < 0 or slots[i] >= n_slots:
-            return False
+    if not _slots_within(slots, target.shape[0]):
+        return False
     for i in range(slots.shape[0]):
         s = slots[i]
-        for j in range(width):
+        for j in range(target.shape[1]):
             target[s, j] = rows[i, first + j]
     return True
 
@@ -555,12 +561,10 @@ def scatter_columns(target: F32, slots: I64, rows: F32, first: int) -> bool:
 def gather_columns(source: F32, slots: I64, out: F32, first: int) -> bool:
     """``out[i, first : first + source.shape[1]] = source[slots[i]]`` for every ``i``; false,
     with nothing read, when a slot lies outside ``source``."""
-    n_slots, width = source.shape
-    for i in range(slots.shape[0]):
-        if slots[i] < 0 or slots[i] >= n_slots:
-            return False
+    if not _slots_within(slots, source.shape[0]):
+        return False
     for i in range(slots.shape[0]):
         s = slots[i]
-        for j in range(width):
+        for j in range(source.shape[1]):
             out[i, first + j] = source[s, j]
     return True
