@@ -7,12 +7,18 @@ id map. On W3 (262,144 live rows a table, a quarter evicted a round) the worker 
 per table every ~40 steps, and the look-ahead must absorb it. This benchmark builds one table's
 statistics and id map at ``--live-rows`` and times, ``--repeats`` times each in turns:
 
-* ``select``: :meth:`ShardEviction.select`, the round's choice (scores decayed, partitions);
+* ``candidates``: :func:`eviction_candidates`, which live rows may go (not the batch's, not
+  those of the batches just before it, not those the cache holds for batches in flight), one
+  compiled pass; ``candidates_numpy``: the same by numpy's steps (the path without numba);
+* ``select``: :meth:`ShardEviction.select`, the round's choice (scores decayed, compiled radix
+  selections); ``select_numpy``: the same with numpy's partitions (the path without numba);
 * ``sort``: the same choice by a full lexicographic sort (``np.lexsort``), the baseline;
 * ``remove``: :meth:`VirtualRowMap.remove` of the chosen ids (a fresh copy of the map each time).
 
 Scores and last uses are drawn with many ties, as a round meets them (most ids are used once or
-twice). Before timing, ``select`` must choose exactly the rows the sort chooses.
+twice); the cache holds a fifth of the rows, three batches' worth of them held. Before timing,
+``select`` must choose exactly the rows the sort chooses, and each numpy path must give what its
+compiled path gives.
 
 Run it::
 
@@ -22,19 +28,25 @@ Run it::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
+import torch
 from torchrec.modules.embedding_configs import FeatureScoreBasedEvictionPolicy
 
 from torchrec_mtrains.benchmark.measure import write_json
 from torchrec_mtrains.cache.id_map import VirtualRowMap
+from torchrec_mtrains.cache.table_cache import TableCache
+from torchrec_mtrains.distributed import virtual_eviction, virtual_rows
 from torchrec_mtrains.distributed.virtual_eviction import EvictionRule, ShardEviction
+from torchrec_mtrains.distributed.virtual_rows import eviction_candidates
 
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -73,6 +85,27 @@ def by_sort(shard: ShardEviction, rows: I64, ids: I64, room: int) -> I64:
     return np.sort(rows[order[:n]])
 
 
+def in_flight_cache(args: argparse.Namespace, rows: I64) -> tuple[TableCache, I64]:
+    """A cache of a fifth of the rows, full, three batches' rows held in it (the look-ahead's),
+    and the rows of the batch being planned."""
+    rng = np.random.default_rng(args.seed + 1)
+    cache = TableCache("t", len(rows), max(1, len(rows) // 5))
+    plan = cache.plan(torch.from_numpy(rng.permutation(rows)[: cache.num_slots]))
+    batch = max(1, cache.num_slots // 8)
+    cache.hold(plan.slots[: 3 * batch])
+    return cache, rng.permutation(rows)[:batch]
+
+
+@contextlib.contextmanager
+def numpy_paths() -> Iterator[None]:
+    """The round's paths without numba (numpy's), as a process without numba runs them."""
+    with (
+        mock.patch.object(virtual_eviction, "NUMBA_AVAILABLE", False),
+        mock.patch.object(virtual_rows, "NUMBA_AVAILABLE", False),
+    ):
+        yield
+
+
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -82,38 +115,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     may_go = np.ones(len(rows), dtype=np.bool_)
     room = 0
 
-    def select() -> I64:
-        fresh = copy.deepcopy(shard)
-        started = time.perf_counter()
-        gone = fresh.select(rows, may_go, lambda r: np.zeros(len(r)), room, ids)
-        times["select"].append(time.perf_counter() - started)
-        return gone
+    cache, batch_rows = in_flight_cache(args, rows)
 
-    def sort() -> I64:
-        started = time.perf_counter()
-        gone = by_sort(shard, rows, ids, room)
-        times["sort"].append(time.perf_counter() - started)
-        return gone
+    def timed(name: str, fn: Callable[[], Any], numpy: bool = False) -> Callable[[], Any]:
+        def part() -> Any:
+            with numpy_paths() if numpy else contextlib.nullcontext():
+                started = time.perf_counter()
+                out = fn()
+                times[name].append(time.perf_counter() - started)
+            return out
 
-    times: dict[str, list[float]] = {"select": [], "sort": [], "remove": []}
-    chosen = select()
-    if not np.array_equal(np.sort(chosen), sort()):
+        return part
+
+    def choose() -> I64:
+        fresh = copy.deepcopy(shard)  # (a round decays the scores: each time from the same)
+        return fresh.select(rows, may_go, lambda r: np.zeros(len(r)), room, ids)
+
+    def candidates() -> tuple[I64, I64, Any]:
+        return eviction_candidates(id_map, shard, batch_rows, cache)
+
+    names = ("candidates", "candidates_numpy", "select", "select_numpy", "sort", "remove")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    chosen = timed("select", choose)()
+    if not np.array_equal(np.sort(chosen), by_sort(shard, rows, ids, room)):
         raise SystemExit("select chose other rows than the full sort: not timed")
     print(f"check: select chose the {len(chosen):,} rows the full sort chose")
+    if not np.array_equal(timed("select_numpy", choose, numpy=True)(), chosen):
+        raise SystemExit("select's numpy path chose other rows than its compiled one: not timed")
+    compiled, numpy_ = timed("candidates", candidates)(), timed("candidates", candidates, True)()
+    if not all(np.array_equal(a, b) for a, b in zip(compiled, numpy_)):
+        raise SystemExit("the candidates' numpy path differs from the compiled one: not timed")
+    print(
+        f"check: numpy's paths give the compiled ones' results ({int(compiled[2].sum()):,} of "
+        f"{len(compiled[2]):,} live rows may go)"
+    )
     gone_ids = id_map.row_ids[chosen].copy()
 
     def remove() -> None:
-        fresh = copy.deepcopy(id_map)
-        started = time.perf_counter()
-        fresh.remove(gone_ids)
-        times["remove"].append(time.perf_counter() - started)
+        copy.deepcopy(id_map).remove(gone_ids)
 
-    remove()  # compiles (or loads) the map's kernel
+    timed("remove", remove)()  # compiles (or loads) the map's kernel
     for t in times.values():
         t.clear()
-    parts: list[Callable[[], Any]] = [select, sort, remove]
+    parts: list[Callable[[], Any]] = [
+        timed("candidates", candidates),
+        timed("candidates_numpy", candidates, numpy=True),
+        timed("select", choose),
+        timed("select_numpy", choose, numpy=True),
+        timed("sort", lambda: by_sort(shard, rows, ids, room)),
+        timed("remove", remove),
+    ]
     for i in range(args.repeats):
-        for part in parts[i % 3 :] + parts[: i % 3]:
+        k = i % len(parts)
+        for part in parts[k:] + parts[:k]:
             part()
     medians = {name: _median_ms(t) for name, t in times.items()}
     result = {
@@ -122,14 +176,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_ms": medians,
         "ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
         "select_vs_sort": medians["select"] / medians["sort"],
+        "select_vs_numpy": medians["select"] / medians["select_numpy"],
+        "candidates_vs_numpy": medians["candidates"] / medians["candidates_numpy"],
     }
-    print(f"{'part':8} {'median ms':>10}  ({args.repeats} each, in turns)")
+    print(f"{'part':16} {'median ms':>10}  ({args.repeats} each, in turns)")
     for name, ms in medians.items():
-        print(f"{name:8} {ms:10.2f}")
+        print(f"{name:16} {ms:10.2f}")
     print(
-        f"a round ({len(rows):,} live rows, {len(chosen):,} evicted): select + remove "
-        f"{medians['select'] + medians['remove']:.2f} ms; select / sort "
-        f"{result['select_vs_sort']:.2f}"
+        f"a round ({len(rows):,} live rows, {len(chosen):,} evicted): candidates + select + "
+        f"remove {medians['candidates'] + medians['select'] + medians['remove']:.2f} ms "
+        f"(numpy's paths: {medians['candidates_numpy'] + medians['select_numpy'] + medians['remove']:.2f}"
+        f" ms); select / sort {result['select_vs_sort']:.2f}, select / numpy's "
+        f"{result['select_vs_numpy']:.2f}, candidates / numpy's {result['candidates_vs_numpy']:.2f}"
     )
     return result
 

@@ -470,8 +470,11 @@ def test_eviction_round_smoke(tmp_path: Path) -> None:
         *("--live-rows", "4096", "--repeats", "3", "--out", str(out)),
     )
     assert "check: select chose the 1,024 rows the full sort chose" in done.stdout
+    assert "check: numpy's paths give the compiled ones' results (" in done.stdout
     result = json.loads(out.read_text())
     assert result["rows_evicted"] == 1024  # a quarter of the live rows
-    assert set(result["median_ms"]) == {"select", "sort", "remove"}
+    names = {"candidates", "candidates_numpy", "select", "select_numpy", "sort", "remove"}
+    assert set(result["median_ms"]) == names
     assert all(len(v) == 3 for v in result["ms"].values())
-    assert result["select_vs_sort"] > 0  # (no timing asserted: a smoke run)
+    for ratio in ("select_vs_sort", "select_vs_numpy", "candidates_vs_numpy"):
+        assert result[ratio] > 0  # (no timing asserted: a smoke run)

@@ -5,7 +5,6 @@ bit for bit against a reset FUSED table: ``test_virtual_tables.py`` and the swee
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from torchrec_mtrains.distributed.virtual_eviction import (
     UnsupportedEvictionPolicy,
     split_at_nth_smallest,
 )
-from torchrec_mtrains.distributed.virtual_rows import VirtualRows
+from torchrec_mtrains.distributed.virtual_rows import eviction_candidates
 
 
 def _policy(**kwargs: Any) -> FeatureScoreBasedEvictionPolicy:
@@ -207,11 +206,10 @@ def test_a_rounds_candidates_compiled_are_numpys(monkeypatch: pytest.MonkeyPatch
         plan = cache.plan(torch.from_numpy(rng.permutation(capacity)[: cache.num_slots]))
         cache.hold(plan.slots[rng.random(cache.num_slots) < 0.3])
         cache.pin(plan.slots[rng.random(cache.num_slots) < 0.1])
-        shard = SimpleNamespace(id_map=id_map, eviction=eviction)
         batch_rows = rng.permutation(capacity)[: int(rng.integers(0, capacity))]
-        compiled = VirtualRows._eviction_candidates(shard, batch_rows, cache)  # type: ignore[arg-type]
+        compiled = eviction_candidates(id_map, eviction, batch_rows, cache)
         monkeypatch.setattr(virtual_rows, "NUMBA_AVAILABLE", False)
-        reference = VirtualRows._eviction_candidates(shard, batch_rows, cache)  # type: ignore[arg-type]
+        reference = eviction_candidates(id_map, eviction, batch_rows, cache)
         monkeypatch.undo()
         for got, want in zip(compiled, reference):
             assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -308,7 +308,9 @@ class VirtualRows:
         """Evicts what the rule says among the live rows that may go: not ``batch_rows`` (the
         rows of the batch being planned), nor rows the ``PROTECTED_BATCHES - 1`` batches
         planned before it used, nor rows a batch in flight holds in the cache."""
-        live_ids, live_rows, may_go = self._eviction_candidates(batch_rows, cache)
+        live_ids, live_rows, may_go = eviction_candidates(
+            self.id_map, self.eviction, batch_rows, cache
+        )
 
         def l2_norms(rows: I64) -> npt.NDArray[np.float64]:
             return self._l2_norms(rows, cache, store, weight_slots)
@@ -322,30 +324,6 @@ class VirtualRows:
             self.changes.evicted.append(gone_ids)
         if self.history is not None:
             self.history.append(EvictionRecord(batch, gone_ids + self.space.id_offset))
-
-    def _eviction_candidates(self, batch_rows: I64, cache: TableCache) -> tuple[I64, I64, Flags]:
-        """Every live id, its row (ascending) and whether it may go (see :meth:`_evict_round`):
-        one compiled pass over the rows, where numpy's steps took ~6 ms a round on W3."""
-        since = self.eviction.batches - (PROTECTED_BATCHES - 1)
-        if NUMBA_AVAILABLE:
-            id_to_slot, reserved = cache.host_slot_maps()
-            return _round_candidates(
-                self.id_map.row_ids,
-                self.eviction.last_batch,
-                since,
-                np.ascontiguousarray(batch_rows, dtype=np.int64),
-                id_to_slot,
-                reserved,
-            )
-        live_ids, live_rows = self.id_map.live()
-        last = self.eviction.last_batch[live_rows]
-        may_go = ~np.isin(live_rows, batch_rows) & ~((last > 0) & (last >= since))
-        slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
-        cached = slots >= 0
-        held = np.zeros_like(may_go)
-        reserved_t = (cache.holds > 0) | cache.pinned
-        held[cached] = reserved_t[torch.from_numpy(slots[cached])].numpy()
-        return live_ids, live_rows, may_go & ~held
 
     @staticmethod
     def _l2_norms(
@@ -388,6 +366,36 @@ class VirtualRows:
         }
 
 
+def eviction_candidates(
+    id_map: VirtualRowMap, eviction: ShardEviction, batch_rows: I64, cache: TableCache
+) -> tuple[I64, I64, Flags]:
+    """Every live id of a shard, its row (ascending) and whether a round may evict it: not
+    ``batch_rows`` (the batch being planned), nor rows the ``PROTECTED_BATCHES - 1`` batches
+    planned before it used, nor rows a batch in flight holds in the ``cache``. One compiled
+    pass over the rows (:func:`_round_candidates`), where numpy's steps (the path without
+    numba) took ~6 ms a round on W3."""
+    since = eviction.batches - (PROTECTED_BATCHES - 1)
+    if NUMBA_AVAILABLE:
+        id_to_slot, reserved = cache.host_slot_maps()
+        return _round_candidates(
+            id_map.row_ids,
+            eviction.last_batch,
+            since,
+            np.ascontiguousarray(batch_rows, dtype=np.int64),
+            id_to_slot,
+            reserved,
+        )
+    live_ids, live_rows = id_map.live()
+    last = eviction.last_batch[live_rows]
+    may_go = ~np.isin(live_rows, batch_rows) & ~((last > 0) & (last >= since))
+    slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
+    cached = slots >= 0
+    held = np.zeros_like(may_go)
+    reserved_slots = (cache.holds > 0) | cache.pinned
+    held[cached] = reserved_slots[torch.from_numpy(slots[cached])].numpy()
+    return live_ids, live_rows, may_go & ~held
+
+
 @_jit
 def _round_candidates(
     row_ids: I64,
@@ -397,7 +405,7 @@ def _round_candidates(
     id_to_slot: npt.NDArray[np.int32],
     reserved: Flags,
 ) -> tuple[I64, I64, Flags]:
-    """:meth:`VirtualRows._eviction_candidates`: the live ids (``row_ids`` not ``EMPTY``), their
+    """:func:`eviction_candidates`: the live ids (``row_ids`` not ``EMPTY``), their
     rows, and whether each may go: not in ``batch_rows``, not used by a batch from ``since``
     on (``last_batch``, 0: never used), not in a ``reserved`` cache slot."""
     spared = np.zeros(row_ids.shape[0], np.bool_)
