@@ -94,8 +94,7 @@ _KERNELS_READY = False
 
 
 def compile_kernels() -> float:
-    """Compiles the row caches' numba kernels (and the tier worker's distinct ids and row
-    copies) for
+    """Compiles the row caches' numba kernels (and the tier worker's distinct-id kernel) for
     this process, or loads them from numba's cache of earlier runs, by planning a few batches
     on two tiny caches (LRU and LFU): what
     the first batches of training would otherwise wait for, counted as tier stall. Runs once a
@@ -120,9 +119,6 @@ def compile_kernels() -> float:
         cache.pin(cache.plan(torch.tensor([9], dtype=torch.int64)).slots)
         cache.clear()
     kernels.unique_with_inverse(np.array([3, 1, 3], dtype=np.int64))  # a batch's distinct ids
-    slots, rows = np.zeros((2, 2), np.float32), np.ones((1, 3), np.float32)  # the row copies
-    kernels.scatter_columns(slots, np.array([1]), rows, 1)
-    kernels.gather_columns(slots, np.array([1]), rows, 1)
     _KERNELS_READY = True
     seconds = time.perf_counter() - started
     logger.info("row-cache kernels ready in %.1f s (numba keeps them for later runs)", seconds)

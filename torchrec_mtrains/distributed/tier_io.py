@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from torchrec_mtrains.cache import kernels
 from torchrec_mtrains.cache.table_cache import CachePlan
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
@@ -162,30 +161,15 @@ class TierIOWorker:
     @staticmethod
     def gather(shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
         """The cached rows in ``slots`` as tier rows: weights, then each optimizer state."""
-        if _compiled_copies(shard):
-            sources = _host_arrays(shard)
-            rows = np.empty((int(slots.numel()), sum(a.shape[1] for a in sources)), np.float32)
-            start = 0
-            for source in sources:
-                _check_slots(shard, kernels.gather_columns(source, slots.numpy(), rows, start))
-                start += source.shape[1]
-            return rows
         dev_slots = RowCopyStreams.device_copy(slots, shard.weight_slots.device)
         parts = [shard.weight_slots.index_select(0, dev_slots)]
         parts += [s.index_select(0, dev_slots) for s in shard.state_slots]
-        rows_t = torch.cat([p.to(torch.float32) for p in parts], dim=1)
-        return RowCopyStreams.host_copy(rows_t).numpy()
+        rows = torch.cat([p.to(torch.float32) for p in parts], dim=1)
+        return RowCopyStreams.host_copy(rows).numpy()
 
     @staticmethod
     def scatter(shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Puts tier ``rows`` into the cache's ``slots`` (weights and optimizer states)."""
-        if _compiled_copies(shard) and rows.dtype == torch.float32:
-            start = 0
-            rows_np = rows.numpy()
-            for target in _host_arrays(shard):
-                _check_slots(shard, kernels.scatter_columns(target, slots.numpy(), rows_np, start))
-                start += target.shape[1]
-            return
         device = shard.weight_slots.device
         dev_slots = RowCopyStreams.device_copy(slots, device)
         rows = RowCopyStreams.device_copy(rows, device)
@@ -196,27 +180,3 @@ class TierIOWorker:
             width = view.shape[1]
             view.index_copy_(0, dev_slots, rows[:, start : start + width].to(view.dtype))
             start += width
-
-
-def _compiled_copies(shard: TieredTableShard) -> bool:
-    """Whether a shard's rows move between its cache slots and tier rows by the compiled
-    copies (:func:`kernels.scatter_columns` / :func:`kernels.gather_columns`, without the GIL,
-    ~3x faster than ``index_copy_`` / ``index_select`` on W3's rows): float32 slots in host
-    memory. Else (CUDA, other types) torch's."""
-    return (
-        kernels.NUMBA_AVAILABLE
-        and shard.weight_slots.device.type == "cpu"
-        and all(t.dtype == torch.float32 for t in (shard.weight_slots, *shard.state_slots))
-    )
-
-
-def _host_arrays(shard: TieredTableShard) -> list[np.ndarray[Any, Any]]:
-    """The shard's cache slots as numpy views: weights, then each optimizer state."""
-    return [t.detach().numpy() for t in (shard.weight_slots, *shard.state_slots)]
-
-
-def _check_slots(shard: TieredTableShard, ok: bool) -> None:
-    if not ok:
-        raise IndexError(
-            f"table {shard.name!r}: slot out of range [0, {int(shard.weight_slots.shape[0])})"
-        )
