@@ -117,32 +117,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cache, batch_rows = in_flight_cache(args, rows)
 
-    def timed(name: str, fn: Callable[[], Any], numpy: bool = False) -> Callable[[], Any]:
+    def timed(
+        name: str, fn: Callable[[Any], Any], fresh: Callable[[], Any] = lambda: None, **kw: bool
+    ) -> Callable[[], Any]:
+        """``fn(fresh())`` timed as ``name``, ``fresh()`` (a copy of what ``fn`` changes) not;
+        with ``numpy=True``, on numpy's paths."""
+
         def part() -> Any:
-            with numpy_paths() if numpy else contextlib.nullcontext():
+            given = fresh()
+            with numpy_paths() if kw.get("numpy") else contextlib.nullcontext():
                 started = time.perf_counter()
-                out = fn()
+                out = fn(given)
                 times[name].append(time.perf_counter() - started)
             return out
 
         return part
 
-    def choose() -> I64:
-        fresh = copy.deepcopy(shard)  # (a round decays the scores: each time from the same)
+    def choose(fresh: ShardEviction) -> I64:  # (a round decays the scores: a copy each time)
         return fresh.select(rows, may_go, lambda r: np.zeros(len(r)), room, ids)
 
-    def candidates() -> tuple[I64, I64, Any]:
+    def candidates(_: None) -> tuple[I64, I64, Any]:
         return eviction_candidates(id_map, shard, batch_rows, cache)
+
+    def shard_copy() -> ShardEviction:
+        return copy.deepcopy(shard)
 
     names = ("candidates", "candidates_numpy", "select", "select_numpy", "sort", "remove")
     times: dict[str, list[float]] = {name: [] for name in names}
-    chosen = timed("select", choose)()
+    chosen = timed("select", choose, shard_copy)()
     if not np.array_equal(np.sort(chosen), by_sort(shard, rows, ids, room)):
         raise SystemExit("select chose other rows than the full sort: not timed")
     print(f"check: select chose the {len(chosen):,} rows the full sort chose")
-    if not np.array_equal(timed("select_numpy", choose, numpy=True)(), chosen):
+    if not np.array_equal(timed("select_numpy", choose, shard_copy, numpy=True)(), chosen):
         raise SystemExit("select's numpy path chose other rows than its compiled one: not timed")
-    compiled, numpy_ = timed("candidates", candidates)(), timed("candidates", candidates, True)()
+    compiled = timed("candidates", candidates)()
+    numpy_ = timed("candidates", candidates, numpy=True)()
     if not all(np.array_equal(a, b) for a, b in zip(compiled, numpy_)):
         raise SystemExit("the candidates' numpy path differs from the compiled one: not timed")
     print(
@@ -151,19 +160,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     gone_ids = id_map.row_ids[chosen].copy()
 
-    def remove() -> None:
-        copy.deepcopy(id_map).remove(gone_ids)
+    def remove(fresh: VirtualRowMap) -> None:
+        fresh.remove(gone_ids)
 
-    timed("remove", remove)()  # compiles (or loads) the map's kernel
+    def map_copy() -> VirtualRowMap:
+        return copy.deepcopy(id_map)
+
+    timed("remove", remove, map_copy)()  # compiles (or loads) the map's kernel
     for t in times.values():
         t.clear()
     parts: list[Callable[[], Any]] = [
         timed("candidates", candidates),
         timed("candidates_numpy", candidates, numpy=True),
-        timed("select", choose),
-        timed("select_numpy", choose, numpy=True),
-        timed("sort", lambda: by_sort(shard, rows, ids, room)),
-        timed("remove", remove),
+        timed("select", choose, shard_copy),
+        timed("select_numpy", choose, shard_copy, numpy=True),
+        timed("sort", lambda _: by_sort(shard, rows, ids, room)),
+        timed("remove", remove, map_copy),
     ]
     for i in range(args.repeats):
         k = i % len(parts)
