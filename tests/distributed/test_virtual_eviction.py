@@ -1,7 +1,7 @@
 """The score rule (TorchRec's ``FeatureScoreBasedEvictionPolicy``) of virtual tables, alone:
 what it reads from the policy, what it refuses, and which rows a round keeps; a round's compiled
-scans against numpy's. (Training with it,
-bit for bit against a reset FUSED table: ``test_virtual_tables.py`` and the sweep.)"""
+scans against numpy's paths. (Training with it, bit for bit against a reset FUSED table:
+``test_virtual_tables.py`` and the sweep.)"""
 
 from __future__ import annotations
 
