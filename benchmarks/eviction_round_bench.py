@@ -118,14 +118,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cache, batch_rows = in_flight_cache(args, rows)
 
     def timed(
-        name: str, fn: Callable[[Any], Any], fresh: Callable[[], Any] = lambda: None, **kw: bool
+        name: str,
+        fn: Callable[[Any], Any],
+        fresh: Callable[[], Any] = lambda: None,
+        numpy: bool = False,
     ) -> Callable[[], Any]:
         """``fn(fresh())`` timed as ``name``, ``fresh()`` (a copy of what ``fn`` changes) not;
         with ``numpy=True``, on numpy's paths."""
 
         def part() -> Any:
             given = fresh()
-            with numpy_paths() if kw.get("numpy") else contextlib.nullcontext():
+            with numpy_paths() if numpy else contextlib.nullcontext():
                 started = time.perf_counter()
                 out = fn(given)
                 times[name].append(time.perf_counter() - started)

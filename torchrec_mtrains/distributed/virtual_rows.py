@@ -305,9 +305,8 @@ class VirtualRows:
         batch: int,
         room: int,
     ) -> None:
-        """Evicts what the rule says among the live rows that may go: not ``batch_rows`` (the
-        rows of the batch being planned), nor rows the ``PROTECTED_BATCHES - 1`` batches
-        planned before it used, nor rows a batch in flight holds in the cache."""
+        """Evicts what the rule says among the live rows that may go
+        (:func:`eviction_candidates`; ``batch_rows``: the rows of the batch being planned)."""
         live_ids, live_rows, may_go = eviction_candidates(
             self.id_map, self.eviction, batch_rows, cache
         )
@@ -375,8 +374,8 @@ def eviction_candidates(
     pass over the rows (:func:`_round_candidates`), where numpy's steps (the path without
     numba) took ~6 ms a round on W3."""
     since = eviction.batches - (PROTECTED_BATCHES - 1)
+    id_to_slot, reserved = cache.host_slot_maps()
     if NUMBA_AVAILABLE:
-        id_to_slot, reserved = cache.host_slot_maps()
         return _round_candidates(
             id_map.row_ids,
             eviction.last_batch,
@@ -388,11 +387,8 @@ def eviction_candidates(
     live_ids, live_rows = id_map.live()
     last = eviction.last_batch[live_rows]
     may_go = ~np.isin(live_rows, batch_rows) & ~((last > 0) & (last >= since))
-    slots = cache.lookup(torch.from_numpy(live_rows)).numpy()
-    cached = slots >= 0
-    held = np.zeros_like(may_go)
-    reserved_slots = (cache.holds > 0) | cache.pinned
-    held[cached] = reserved_slots[torch.from_numpy(slots[cached])].numpy()
+    slots = id_to_slot[live_rows]
+    held = (slots >= 0) & reserved[slots]  # (a slot of -1 reads the last flag, masked out)
     return live_ids, live_rows, may_go & ~held
 
 
