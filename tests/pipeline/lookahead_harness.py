@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType
@@ -412,7 +413,8 @@ def on_worker_reads(
     """Calls ``before(ids)`` as the tier worker starts reading rows ``ids`` of ``store`` and
     ``after(ids, rows)`` once they are read, at the seam the worker reads that store through:
     a block store's passes (``read_passes``, which the worker issues with other tables'), else
-    ``read_rows``. :func:`restore_reads` undoes it."""
+    ``read_rows`` and ``read_rows_into`` (rows in host memory straight into host slots).
+    :func:`restore_reads` undoes it."""
     if isinstance(store, PassReader):
         real_passes = store.read_passes
 
@@ -435,9 +437,18 @@ def on_worker_reads(
         return rows
 
     store.read_rows = read_rows
+    real_into = store.read_rows_into
+
+    def read_rows_into(ids: Any, columns: Any, at: Any) -> None:
+        before(ids)
+        real_into(ids, columns, at)
+        if after is not None:
+            after(ids, np.concatenate([c[at] for c in columns], axis=1))
+
+    store.read_rows_into = read_rows_into
 
 
 def restore_reads(store: Any) -> None:
     """Undoes :func:`on_worker_reads`: the store's own methods read again."""
-    for name in ("read_passes", "read_rows"):
+    for name in ("read_passes", "read_rows", "read_rows_into"):
         store.__dict__.pop(name, None)

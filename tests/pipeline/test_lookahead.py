@@ -7,7 +7,7 @@ import gc
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +276,9 @@ class RecordingStore:
         self.stale: list[int] = []
         self._active = 0
         self._lock = threading.Lock()
+        self.write_from = store.write_rows_from
         store.write_rows = self.write_rows
+        store.write_rows_from = self.write_rows_from
         on_worker_reads(store, self._read_starts, self._read_done)
 
     def _enter(self) -> None:
@@ -290,7 +292,11 @@ class RecordingStore:
             self._active -= 1
 
     def write_rows(
-        self, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], **kwargs: Any
+        self,
+        ids: np.ndarray[Any, Any],
+        rows: np.ndarray[Any, Any],
+        then: Callable[[], Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
         # Noted before the write lands, so a read overtaking it shows up as stale.
         for i, row in zip(ids.tolist(), rows):
@@ -299,9 +305,16 @@ class RecordingStore:
         try:
             self.writes += 1
             time.sleep(self.delay)
-            return self.write(ids, rows, **kwargs)
+            return then() if then is not None else self.write(ids, rows, **kwargs)
         finally:
             self._leave()
+
+    def write_rows_from(
+        self, ids: np.ndarray[Any, Any], columns: Any, at: np.ndarray[Any, Any], **kwargs: Any
+    ) -> Any:
+        """The worker's write-backs from host slots: recorded as :meth:`write_rows` is."""
+        rows = np.concatenate([c[at] for c in columns], axis=1)
+        return self.write_rows(ids, rows, then=lambda: self.write_from(ids, columns, at, **kwargs))
 
     def _read_starts(self, ids: np.ndarray[Any, Any]) -> None:
         self._enter()

@@ -408,3 +408,73 @@ def test_full_device_is_reported_at_create(tier: str, tmpfs_mount: Any) -> None:
     assert list(small.iterdir()) == []  # the partial file is removed
     with open_store(tier, small, "fits", RowLayout(100, 8)) as store:  # space left is usable
         store.write_range(0, np.ones((100, 8), np.float32))
+
+
+def _column_blocks(rng: np.random.Generator, slots: int, widths: list[int]) -> list[np.ndarray]:
+    """Column blocks as a cache holds them: weights, then optimizer state; the first a strided
+    view of a wider array (the compiled copies must not assume C order)."""
+    wide = rng.standard_normal((slots, widths[0] + 3)).astype(np.float32)
+    return [wide[:, 1 : 1 + widths[0]], *(np.zeros((slots, w), np.float32) for w in widths[1:])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [1, 2, 3], ids=["weights", "weights+state", "three-blocks"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_rows_from_and_into_columns_are_write_rows_and_read_rows(
+    make_store: StoreFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    blocks: int,
+    compiled: bool,
+) -> None:
+    if not compiled:
+        monkeypatch.setattr("torchrec_mtrains.tiers.base.NUMBA_AVAILABLE", False)
+    widths = {1: [7], 2: [5, 2], 3: [4, 2, 1]}[blocks]
+    layout = RowLayout(300, widths[0], sum(widths[1:]), dtype)
+    rng = np.random.default_rng(blocks)
+    columns = _column_blocks(rng, 40, widths)
+    for column in columns:
+        column[...] = exact_rows(rng, 40, column.shape[1], dtype)
+    ours, reference = make_store(layout, table="ours"), make_store(layout, table="reference")
+    ids = rng.choice(300, 25, replace=False)
+    at = rng.choice(40, 25, replace=False)
+    ours.write_rows_from(ids, columns, at, distinct=True)
+    reference.write_rows(ids, np.concatenate([c[at] for c in columns], axis=1))
+    np.testing.assert_array_equal(ours.read_range(0, 300), reference.read_range(0, 300))
+    assert (ours.stats.write_calls, ours.stats.rows_written) == (1, 25)
+    assert ours.version == reference.version == 1
+
+    back = [np.full_like(c, -1.0) for c in columns]
+    into = rng.choice(40, 25, replace=False)
+    ours.read_rows_into(ids, back, into)
+    expected = [np.full_like(c, -1.0) for c in columns]
+    for column, source in zip(expected, columns):
+        column[into] = source[at]
+    for got, want in zip(back, expected):
+        np.testing.assert_array_equal(got, want)
+    assert (ours.stats.read_calls, ours.stats.rows_read) == (2, 325)  # read_range and this
+
+    ours.flush()
+    ours.close()
+    again = make_store(layout, table="ours", mode=OpenMode.OPEN)
+    np.testing.assert_array_equal(again.read_range(0, 300), reference.read_range(0, 300))
+
+
+def test_rows_from_columns_refuse_bad_input_naming_the_table(make_store: StoreFactory) -> None:
+    layout = RowLayout(10, 3, 1)
+    store = make_store(layout, table="emb_item")
+    columns = [np.ones((4, 3), np.float32), np.ones((4, 1), np.float32)]
+    with pytest.raises(ValueError, match=r"'emb_item'.*width 4"):
+        store.write_rows_from([1], [columns[0]], [0])
+    with pytest.raises(IndexError, match=r"'emb_item': column row 4 out of range \[0, 4\)"):
+        store.write_rows_from([1, 2], columns, [0, 4])
+    with pytest.raises(IndexError, match=r"'emb_item'.*column row -1"):
+        store.read_rows_into([1], columns, [-1])
+    with pytest.raises(IndexError, match=r"'emb_item': row id 10 out of range"):
+        store.write_rows_from([10], columns, [0])
+    with pytest.raises(ValueError, match=r"'emb_item'.*2 ids need as many"):
+        store.write_rows_from([1, 2], columns, [0])
+    with pytest.raises(ValueError, match="unique"):
+        store.write_rows_from([1, 1], columns, [0, 1])
+    assert store.stats.write_calls == store.stats.read_calls == 0
+    np.testing.assert_array_equal(store.read_range(0, 10), np.zeros((10, 4), np.float32))

@@ -22,6 +22,7 @@ from torchrec_mtrains.cache.table_cache import CachePlan
 from torchrec_mtrains.distributed.copy_streams import RowCopyStreams
 from torchrec_mtrains.distributed.table_shard import TieredTableShard
 from torchrec_mtrains.tiers import read_rows_together
+from torchrec_mtrains.tiers.base import copy_rows_to_columns
 
 # Where the slot maps and the tiers live. The cache's rows are on the compute device (HBM on
 # CUDA); the bookkeeping that maps ids to slots runs on the host beside the tiers it feeds.
@@ -139,13 +140,17 @@ class TierIOWorker:
             for shard, plan in pairs:
                 if plan.evict_slots.numel() and bool(plan.evict_dirty.any()):
                     dirty = plan.evict_dirty
-                    shard.store.write_rows(
-                        plan.evict_ids[dirty].numpy(),
-                        self.gather(shard, plan.evict_slots[dirty]),
-                        distinct=True,
-                    )
+                    self.write_back(shard, plan.evict_ids[dirty], plan.evict_slots[dirty])
             loads = [(shard, plan) for shard, plan in pairs if plan.load_slots.numel()]
-            # Every table's misses in shared passes of I/O (one submission round for all).
+            # Rows in host memory straight into host slots; every other table's misses in
+            # shared passes of I/O (one submission round for all).
+            direct = [_host_columns(sh) if sh.store.rows_in_memory else None for sh, _ in loads]
+            for (shard, plan), columns in zip(loads, direct):
+                if columns is not None:
+                    shard.store.read_rows_into(
+                        plan.load_ids.numpy(), columns, plan.load_slots.numpy()
+                    )
+            loads = [load for load, columns in zip(loads, direct) if columns is None]
             read = read_rows_together([(sh.store, plan.load_ids.numpy()) for sh, plan in loads])
             for (shard, plan), rows in zip(loads, read):
                 self.scatter(shard, plan.load_slots, torch.from_numpy(rows))
@@ -159,6 +164,17 @@ class TierIOWorker:
         return self.copies.record()
 
     @staticmethod
+    def write_back(shard: TieredTableShard, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Stores the cached rows in ``slots`` as the tier's rows ``ids`` (distinct): from
+        host slots by the store's own copy (:meth:`RowStore.write_rows_from`), else gathered
+        on the device and copied to the host first."""
+        columns = _host_columns(shard)
+        if columns is not None:
+            shard.store.write_rows_from(ids.numpy(), columns, slots.numpy(), distinct=True)
+        else:
+            shard.store.write_rows(ids.numpy(), TierIOWorker.gather(shard, slots), distinct=True)
+
+    @staticmethod
     def gather(shard: TieredTableShard, slots: torch.Tensor) -> np.ndarray[Any, Any]:
         """The cached rows in ``slots`` as tier rows: weights, then each optimizer state."""
         dev_slots = RowCopyStreams.device_copy(slots, shard.weight_slots.device)
@@ -170,6 +186,13 @@ class TierIOWorker:
     @staticmethod
     def scatter(shard: TieredTableShard, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Puts tier ``rows`` into the cache's ``slots`` (weights and optimizer states)."""
+        columns = _host_columns(shard)
+        if columns is not None and rows.device.type == "cpu":
+            rows_np = rows.numpy()
+            # (ids: the rows' own order, through the same compiled copy as a store's)
+            order = np.arange(rows_np.shape[0], dtype=np.int64)
+            if copy_rows_to_columns(rows_np, order, columns, slots.numpy()):
+                return
         device = shard.weight_slots.device
         dev_slots = RowCopyStreams.device_copy(slots, device)
         rows = RowCopyStreams.device_copy(rows, device)
@@ -180,3 +203,13 @@ class TierIOWorker:
             width = view.shape[1]
             view.index_copy_(0, dev_slots, rows[:, start : start + width].to(view.dtype))
             start += width
+
+
+def _host_columns(shard: TieredTableShard) -> list[np.ndarray[Any, Any]] | None:
+    """The shard's cache slots as numpy views (weights, then each optimizer state) where
+    they are host memory of float32, which the stores' compiled row copies take; else None
+    (slots on a device, or of another type: torch's copies)."""
+    tensors = (shard.weight_slots, *shard.state_slots)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    return [t.detach().numpy() for t in tensors]

@@ -55,7 +55,7 @@ from torchrec_mtrains.distributed.virtual_tables import VirtualShard
 from torchrec_mtrains.initializers import RowAddressedInit
 from torchrec_mtrains.tiers._blockio import IDLE_PASSES, BufferPool
 from torchrec_mtrains.tiers._linux import release_freed_memory
-from torchrec_mtrains.tiers.base import OpenMode
+from torchrec_mtrains.tiers.base import OpenMode, compile_row_copies
 from torchrec_mtrains.tiers.registry import open_store
 from torchrec_mtrains.types import RowLayout, StorageDType
 
@@ -280,6 +280,7 @@ class TieredTableGroup:
                 )
         if any(shard.cache.backend == "numba" for shard in self.shards):
             compile_kernels()  # now, not while the first batches wait for their rows
+            compile_row_copies()  # (and for the rows they move)
         if any(shard.virtual is not None for shard in self.shards):
             compile_round_kernels()  # (and the first eviction round)
         # One pool of I/O buffers for the group's block stores: its worker moves one table's
@@ -805,9 +806,7 @@ class TieredTableGroup:
             # the flush at the end of a run must fit the memory training fitted in.
             for start in range(0, int(ids.numel()), FLUSH_CHUNK_ROWS):
                 part = slice(start, start + FLUSH_CHUNK_ROWS)
-                shard.store.write_rows(
-                    ids[part].numpy(), self.io.gather(shard, slots[part]), distinct=True
-                )
+                self.io.write_back(shard, ids[part], slots[part])
                 shard.cache.mark_clean(slots[part])
             if keep_in_flight_dirty and self._in_flight is not None and self._awaiting_backward:
                 # The running batch's backward has yet to update its rows.

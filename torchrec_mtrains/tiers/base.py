@@ -35,7 +35,7 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE, _jit
 from torchrec_mtrains.tiers.options import TierOptions, own_options
 from torchrec_mtrains.types import STATE_DTYPE, RowLayout, StorageDType
 
@@ -338,6 +339,65 @@ class RowStore(ABC):
             moved, calls = self._write_rows(ids_arr, rows_arr)
         self._count(write_calls=1, rows_written=ids_arr.size, bytes_written=moved, io_calls=calls)
 
+    def write_rows_from(
+        self,
+        ids: npt.ArrayLike,
+        columns: Sequence[RowArray],
+        at: npt.ArrayLike,
+        *,
+        distinct: bool = False,
+    ) -> None:
+        """Stores row ``ids[i]`` as the rows ``at[i]`` of ``columns`` side by side (a cache's
+        weight slots, then its optimizer-state slots: the rows it evicts). Stores what
+        :meth:`write_rows` stores for those rows; where the tier's rows are host memory, by one
+        compiled pass from the columns into them, without building the rows between (a third
+        of the copies). ``distinct`` as for :meth:`write_rows`."""
+        ids_arr = self._check_ids(ids)
+        at_arr = self._check_columns(ids_arr, columns, at)
+        if not distinct and ids_arr.size > 1 and np.unique(ids_arr).size != ids_arr.size:
+            raise ValueError(f"table {self.table!r}: write_rows ids must be unique")
+        if not ids_arr.size:
+            return
+        with self._write_lock:
+            self.version += 1
+            moved, calls = self._write_from(ids_arr, columns, at_arr)
+        self._count(write_calls=1, rows_written=ids_arr.size, bytes_written=moved, io_calls=calls)
+
+    def read_rows_into(
+        self, ids: npt.ArrayLike, columns: Sequence[RowArray], at: npt.ArrayLike
+    ) -> None:
+        """Puts row ``ids[i]`` into the rows ``at[i]`` of ``columns`` (its first values into
+        the first, and so on): the way back of :meth:`write_rows_from`, counted as a read."""
+        ids_arr = self._check_ids(ids)
+        at_arr = self._check_columns(ids_arr, columns, at)
+        if ids_arr.size:
+            self._count_read(ids_arr.size, *self._read_into(ids_arr, columns, at_arr))
+
+    def _check_columns(
+        self, ids: IdArray, columns: Sequence[RowArray], at: npt.ArrayLike
+    ) -> IdArray:
+        at_arr = np.asarray(at, dtype=np.int64)
+        widths = [c.shape[1] if c.ndim == 2 else -1 for c in columns]
+        if not columns or -1 in widths or sum(widths) != self.layout.row_width:
+            raise ValueError(
+                f"table {self.table!r}: columns of shapes {[c.shape for c in columns]} do not "
+                f"make rows of width {self.layout.row_width}"
+            )
+        if at_arr.shape != ids.shape:
+            raise ValueError(
+                f"table {self.table!r}: {ids.size} ids need as many column rows, got shape "
+                f"{at_arr.shape}"
+            )
+        if at_arr.size:
+            limit = min(c.shape[0] for c in columns)
+            lo, hi = int(at_arr.min()), int(at_arr.max())
+            if lo < 0 or hi >= limit:
+                bad = lo if lo < 0 else hi
+                raise IndexError(
+                    f"table {self.table!r}: column row {bad} out of range [0, {limit})"
+                )
+        return at_arr
+
     def read_range(self, start: int, count: int) -> RowArray:
         """Returns rows ``start .. start+count-1``: the sequential path for checkpoints."""
         self._check_range(start, count)
@@ -395,6 +455,12 @@ class RowStore(ABC):
         Writes through it bypass the counters and the write lock, and it is only valid until
         :meth:`close`."""
         return None
+
+    @property
+    def rows_in_memory(self) -> bool:
+        """Whether the rows are host memory (:meth:`mapped_rows`): a read is a copy, with no
+        I/O for :func:`read_rows_together` to share with other stores'."""
+        return self.mapped_rows() is not None
 
     @classmethod
     def file_bytes(cls, layout: RowLayout, options: TierOptions | None = None) -> int:
@@ -460,6 +526,32 @@ class RowStore(ABC):
     @abstractmethod
     def _write_rows(self, ids: IdArray, rows: RowArray) -> tuple[int, int]:
         """Stores ``rows[i]`` at row ``ids[i]``; ids are unique. Returns bytes moved and calls."""
+
+    def _write_from(
+        self, ids: IdArray, columns: Sequence[RowArray], at: IdArray
+    ) -> tuple[int, int]:
+        """:meth:`write_rows_from` once checked: one compiled pass into the rows where they
+        are host memory (:meth:`mapped_rows`) of float32 words, else the rows built and
+        handed to :meth:`_write_rows`. Returns bytes moved and calls."""
+        words = self.mapped_rows()
+        if words is not None and copy_columns_to_rows(columns, at, words, ids):
+            return ids.size * self.layout.row_bytes, 0
+        rows = np.concatenate([np.asarray(c[at], dtype=np.float32) for c in columns], axis=1)
+        return self._write_rows(ids, rows)
+
+    def _read_into(self, ids: IdArray, columns: Sequence[RowArray], at: IdArray) -> tuple[int, int]:
+        """:meth:`read_rows_into` once checked (see :meth:`_write_from`)."""
+        words = self.mapped_rows()
+        if words is not None and copy_rows_to_columns(words, ids, columns, at):
+            return ids.size * self.layout.row_bytes, 0
+        rows = np.empty((ids.size, self.layout.row_width), dtype=np.float32)
+        counted = self._read_rows(ids, rows)
+        start = 0
+        for column in columns:
+            width = column.shape[1]
+            column[at] = rows[:, start : start + width]
+            start += width
+        return counted
 
     def _clear(self) -> int:
         """Zeroes every row, then flushes; returns the I/O calls issued. Stores that can
@@ -652,6 +744,78 @@ def scatter_rows(rows: WordArray, ids: IdArray, values: RowArray, layout: RowLay
         rows[start : start + ids.size] = words
     else:
         rows[ids] = words
+
+
+_NO_COLUMNS = np.empty((0, 0), dtype=np.float32)
+
+
+def _compiled_columns(rows: WordArray, columns: Sequence[RowArray]) -> list[RowArray] | None:
+    """The two column blocks the compiled copies take (the second empty for one block), or
+    None where they do not apply: no numba, a type other than float32 (packed words, fp16
+    slots), more than two blocks."""
+    if not NUMBA_AVAILABLE or not 1 <= len(columns) <= 2 or rows.dtype != np.float32:
+        return None
+    if any(c.dtype != np.float32 or c.ndim != 2 for c in columns):
+        return None
+    return [columns[0], columns[1] if len(columns) == 2 else _NO_COLUMNS]
+
+
+def copy_columns_to_rows(
+    columns: Sequence[RowArray], at: IdArray, rows: WordArray, ids: IdArray
+) -> bool:
+    """``rows[ids[i]] = concat(c[at[i]] for c in columns)`` by one compiled pass without the
+    GIL; false, with nothing copied, where it does not apply (see :func:`_compiled_columns`).
+    Ids and column rows are the caller's to check."""
+    blocks = _compiled_columns(rows, columns)
+    if blocks is None:
+        return False
+    _copy_between(rows, ids, blocks[0], blocks[1], at, True)
+    return True
+
+
+def copy_rows_to_columns(
+    rows: WordArray, ids: IdArray, columns: Sequence[RowArray], at: IdArray
+) -> bool:
+    """The way back of :func:`copy_columns_to_rows`: each column block ``c[at[i]]`` gets its
+    part of ``rows[ids[i]]``."""
+    blocks = _compiled_columns(rows, columns)
+    if blocks is None:
+        return False
+    _copy_between(rows, ids, blocks[0], blocks[1], at, False)
+    return True
+
+
+@_jit
+def _copy_between(
+    rows: RowArray, ids: IdArray, first: RowArray, second: RowArray, at: IdArray, into_rows: bool
+) -> None:
+    """Row ``ids[i]`` of ``rows`` is ``first[at[i]]`` then ``second[at[i]]``: copied into
+    ``rows`` when ``into_rows``, out of it otherwise."""
+    width = first.shape[1]
+    for i in range(ids.shape[0]):
+        row, slot = ids[i], at[i]
+        for j in range(width):
+            if into_rows:
+                rows[row, j] = first[slot, j]
+            else:
+                first[slot, j] = rows[row, j]
+        for j in range(second.shape[1]):
+            if into_rows:
+                rows[row, width + j] = second[slot, j]
+            else:
+                second[slot, j] = rows[row, width + j]
+
+
+def compile_row_copies() -> None:
+    """Compiles (or loads from numba's cache) the row copies for C-ordered arrays, as the
+    tier worker first meets them: before training, not in its first batch."""
+    if not NUMBA_AVAILABLE:
+        return
+    rows, ids = np.zeros((2, 3), np.float32), np.arange(2, dtype=np.int64)
+    first, second = np.zeros((2, 2), np.float32), np.zeros((2, 1), np.float32)
+    for blocks in ([first, second], [rows]):
+        copy_columns_to_rows(blocks, ids, rows, ids)
+        copy_rows_to_columns(rows, ids, blocks, ids)
 
 
 def check_table_name(table: str) -> None:

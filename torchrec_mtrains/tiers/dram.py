@@ -8,6 +8,7 @@ to the file, so flushing a large, mostly-read table is cheap.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -115,6 +116,13 @@ class DramStore(RowStore):
         scatter_rows(self._rows, ids, rows, self.layout)
         self._dirty[ids // self._chunk_rows] = True
         return ids.size * self.layout.row_bytes, 0
+
+    def _write_from(
+        self, ids: IdArray, columns: Sequence[RowArray], at: IdArray
+    ) -> tuple[int, int]:
+        counted = super()._write_from(ids, columns, at)
+        self._dirty[ids // self._chunk_rows] = True
+        return counted
 
     def _flush(self) -> int:
         dirty = np.flatnonzero(self._dirty)
