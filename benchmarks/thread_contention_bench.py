@@ -7,6 +7,9 @@ hashed FUSED tables and a small dense part, :mod:`w3_bench`) for ``--steps`` ste
 
 * ``alone``: nothing beside it;
 * ``compiled``: beside a thread spinning in a numba loop that holds no GIL (a busy core);
+* ``rows``: beside a thread moving rows as the tier worker moves them on W3 (the stores'
+  compiled copies, no GIL: 6,400 random rows of 65 float32 out of a cache of 52,429 slots into
+  a table of 262,144 rows and back, over and over): a busy core that also loads the memory;
 * ``numpy``: beside a thread calling numpy's unique, argsort and a gather on 8,192 ids in a loop
   (the kind of calls the worker makes: numpy gives up the GIL inside them);
 * ``python``: beside a thread running a plain Python loop (the interpreter holds the GIL; the
@@ -42,8 +45,9 @@ import torch
 from torchrec_mtrains.benchmark.measure import write_json
 from torchrec_mtrains.cache.kernels import NUMBA_AVAILABLE
 from torchrec_mtrains.distributed.runtime import process_group
+from torchrec_mtrains.tiers.base import copy_columns_to_rows, copy_rows_to_columns
 
-LOADS = ("alone", "compiled", "numpy", "python")
+LOADS = ("alone", "compiled", "rows", "numpy", "python")
 
 
 def _load_w3() -> Any:
@@ -100,6 +104,25 @@ def _compiled_spin() -> Callable[[threading.Event], None] | None:
     return run
 
 
+def _compiled_rows() -> Callable[[threading.Event], None] | None:
+    if not NUMBA_AVAILABLE:
+        return None
+    rng = np.random.default_rng(0)
+    slots = [rng.random((52_429, 64), np.float32), rng.random((52_429, 1), np.float32)]
+    table = rng.random((262_144, 65), np.float32)
+    moves = [(rng.permutation(52_429)[:6_400], rng.permutation(262_144)[:6_400]) for _ in range(8)]
+    copy_columns_to_rows(slots, moves[0][0], table, moves[0][1])  # compiled here
+    copy_rows_to_columns(table, moves[0][1], slots, moves[0][0])
+
+    def run(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for at, ids in moves:
+                copy_columns_to_rows(slots, at, table, ids)
+                copy_rows_to_columns(table, ids[::-1].copy(), slots, at)
+
+    return run
+
+
 class Beside:
     """Runs ``load`` in a daemon thread for the ``with`` block (nothing for ``None``)."""
 
@@ -152,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     loads: dict[str, Callable[[threading.Event], None] | None] = {
         "alone": None,
         "compiled": _compiled_spin(),
+        "rows": _compiled_rows(),
         "numpy": _spin_numpy,
         "python": _spin_python,
     }

@@ -456,10 +456,10 @@ def test_thread_contention_smoke(tmp_path: Path) -> None:
     assert "losses equal to the steps alone" in done.stdout
     result = json.loads(out.read_text())
     assert result["switch_interval_s"] == 0.001
-    assert set(result["median_ms_per_step"]) == {"alone", "compiled", "numpy", "python"}
+    assert set(result["median_ms_per_step"]) == {"alone", "compiled", "rows", "numpy", "python"}
     assert all(len(v) == 2 for v in result["ms_per_step"].values())  # one per round
     assert result["vs_alone"]["alone"] == 1.0
-    for name in ("alone", "compiled", "numpy", "python"):  # (no timing asserted: a smoke run)
+    for name in ("alone", "compiled", "rows", "numpy", "python"):  # (no timing: a smoke run)
         assert f"\n{name:10} {result['median_ms_per_step'][name]:10.2f}" in done.stdout
 
 
