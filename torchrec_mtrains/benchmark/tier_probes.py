@@ -21,7 +21,8 @@ __all__ = ["TierClock", "caches_full", "isolated_block_reads", "tier_delta", "ti
 
 class TierClock:
     """Times the tiers' work: each read (a worker's reads of a batch's misses, all its tables
-    together: ``read_rows_together`` as the tier worker calls it) and each store's write call,
+    together: ``read_rows_together`` as the tier worker calls it, or one in-memory store's
+    ``read_rows_into``) and each store's write call (``write_rows``, ``write_rows_from``),
     and the time at least one read (write) was in flight, which is what a rate over several
     concurrent workers must divide by; the CPU time the calling threads spent in those calls,
     and how much of it in the kernel (``getrusage`` of the thread: the block I/O's system
@@ -45,8 +46,10 @@ class TierClock:
         )
         for group in groups:
             for shard in group.shards:
-                store = shard.store
-                store.write_rows = self._timed(store.write_rows, "write", len)  # type: ignore[method-assign]  # instruments the store in place
+                store = shard.store  # (instrumented in place)
+                store.write_rows = self._timed(store.write_rows, "write", len)  # type: ignore[method-assign]
+                store.write_rows_from = self._timed(store.write_rows_from, "write", len)  # type: ignore[method-assign]
+                store.read_rows_into = self._timed(store.read_rows_into, "read", len)  # type: ignore[method-assign]
 
     def _timed(self, fn: Any, key: str, rows_of: Callable[[Any], int]) -> Any:
         def wrapped(ids: Any, *args: Any, **kwargs: Any) -> Any:
