@@ -41,3 +41,13 @@ def test_host_float32_slots_move_as_torch_moves_other_slots(tmp_path: Path, tier
         TierIOWorker.write_back(shard, ids, slots)
         np.testing.assert_array_equal(shard.store.read_rows(ids.numpy()), rows.numpy())
         shard.store.close()
+
+
+def test_a_slot_out_of_range_is_refused_naming_the_table(tmp_path: Path) -> None:
+    shard = _shard(tmp_path, torch.float32)
+    before = shard.weight_slots.clone()
+    with pytest.raises(IndexError, match=r"'t': a slot outside \[0, 30\)"):
+        TierIOWorker.scatter(shard, torch.tensor([1, 30]), torch.ones(2, 7))
+    assert torch.equal(shard.weight_slots, before)  # nothing written
+    shard.store.close()
+    assert not shard.store.rows_in_memory  # a closed store reads through its own error

@@ -188,10 +188,14 @@ class TierIOWorker:
         """Puts tier ``rows`` into the cache's ``slots`` (weights and optimizer states)."""
         columns = _host_columns(shard)
         if columns is not None and rows.device.type == "cpu":
-            rows_np = rows.numpy()
+            rows_np, at = rows.numpy(), slots.numpy()
+            if at.size and (int(at.min()) < 0 or int(at.max()) >= columns[0].shape[0]):
+                raise IndexError(
+                    f"table {shard.name!r}: a slot outside [0, {columns[0].shape[0]}) to fill"
+                )
             # (ids: the rows' own order, through the same compiled copy as a store's)
             order = np.arange(rows_np.shape[0], dtype=np.int64)
-            if copy_rows_to_columns(rows_np, order, columns, slots.numpy()):
+            if copy_rows_to_columns(rows_np, order, columns, at):
                 return
         device = shard.weight_slots.device
         dev_slots = RowCopyStreams.device_copy(slots, device)
