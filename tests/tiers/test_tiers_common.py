@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 from tier_helpers import STORE_CASES, STORE_IDS, TIER_NAMES, StoreFactory, exact_rows
 
 from torchrec_mtrains.tiers import HeaderMismatchError, OpenMode, RowStoreError, open_store
-from torchrec_mtrains.tiers.base import HEADER_BYTES, FileHeader
+from torchrec_mtrains.tiers.base import (
+    HEADER_BYTES,
+    FileHeader,
+    copy_columns_to_rows,
+    copy_rows_to_columns,
+)
 from torchrec_mtrains.types import RowLayout
 
 DTYPES = ["fp32", "fp16"]
@@ -478,3 +483,11 @@ def test_rows_from_columns_refuse_bad_input_naming_the_table(make_store: StoreFa
         store.write_rows_from([1, 1], columns, [0, 1])
     assert store.stats.write_calls == store.stats.read_calls == 0
     np.testing.assert_array_equal(store.read_range(0, 10), np.zeros((10, 4), np.float32))
+
+
+def test_the_compiled_copies_refuse_columns_that_do_not_fill_the_rows() -> None:
+    rows, ids = np.zeros((4, 5), np.float32), np.arange(2, dtype=np.int64)
+    narrow = [np.ones((3, 3), np.float32), np.ones((3, 1), np.float32)]  # 4 of 5 values
+    assert not copy_rows_to_columns(rows, ids, narrow, ids)
+    assert not copy_columns_to_rows(narrow, ids, rows, ids)
+    assert not rows.any() and narrow[0].all()  # nothing copied either way

@@ -755,10 +755,13 @@ _NO_COLUMNS = np.empty((0, 0), dtype=np.float32)
 def _compiled_columns(rows: WordArray, columns: Sequence[RowArray]) -> list[RowArray] | None:
     """The two column blocks the compiled copies take (the second empty for one block), or
     None where they do not apply: no numba, a type other than float32 (packed words, fp16
-    slots), more than two blocks."""
+    slots), more than two blocks, blocks whose widths do not add up to the rows' (the kernel
+    checks no bound: a caller's other path refuses those)."""
     if not NUMBA_AVAILABLE or not 1 <= len(columns) <= 2 or rows.dtype != np.float32:
         return None
     if any(c.dtype != np.float32 or c.ndim != 2 for c in columns):
+        return None
+    if rows.ndim != 2 or sum(c.shape[1] for c in columns) != rows.shape[1]:
         return None
     return [columns[0], columns[1] if len(columns) == 2 else _NO_COLUMNS]
 
